@@ -32,6 +32,7 @@ Results (defaults: 3 epochs, global batch 128, AdamW 1e-3, cosine decay):
 """
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -87,9 +88,11 @@ class ConvNet(nn.Module):
     def __init__(self, batchnorm=True):
         super().__init__()
         norm = nn.BatchNorm2d if batchnorm else (lambda channels: nn.Identity())
+        # A conv bias right before BatchNorm is cancelled by it: its gradient is pure rounding
+        # noise, which Adam would amplify into steps of size lr. Keep the bias only without BN.
         self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 5, padding=2), norm(16), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 5, padding=2), norm(32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(1, 16, 5, padding=2, bias=not batchnorm), norm(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 5, padding=2, bias=not batchnorm), norm(32), nn.ReLU(), nn.MaxPool2d(2),
         )
         self.classifier = nn.Linear(7 * 7 * 32, 10)
 
@@ -99,8 +102,9 @@ class ConvNet(nn.Module):
 
 def fail(accelerator, message):
     """One clear message from the main process, a non-zero exit from every process."""
-    if accelerator is None or accelerator.is_main_process:
+    if accelerator.is_main_process:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    accelerator.end_training()  # tear down the process group before exiting (see the end of main)
     sys.exit(2)
 
 
@@ -174,6 +178,17 @@ def peak_memory_mb(accelerator):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def local_param_elements(model):
+    """Parameter elements this rank really holds: a shard under ZeRO-3 and FSDP, everything otherwise."""
+    total = 0
+    for p in model.parameters():
+        held = getattr(p, "ds_tensor", None)  # ZeRO-3 keeps this rank's partition here
+        if held is None and hasattr(p, "to_local"):  # FSDP2 parameters are DTensors
+            held = p.to_local()
+        total += (p if held is None else held).numel()
+    return total
+
+
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -185,17 +200,19 @@ def main(argv=None):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
     )
     check_launch(accelerator)
-    world = accelerator.num_processes
-    if args.batch_size % world or args.eval_batch_size % world:
-        fail(accelerator, f"--batch-size {args.batch_size} and --eval-batch-size {args.eval_batch_size} are "
-                          f"global and must divide by the {world} processes; try {args.batch_size // world * world or world}.")
+    world, log = accelerator.num_processes, accelerator.print
+    micro_batch = args.batch_size // args.grad_accum  # global samples per forward pass
+    if args.batch_size % (world * args.grad_accum) or args.eval_batch_size % world:
+        good = world * args.grad_accum
+        fail(accelerator, f"--batch-size {args.batch_size} is the global batch of one optimizer step and must "
+                          f"divide by processes x --grad-accum = {good} (try {max(good, args.batch_size // good * good)}); "
+                          f"--eval-batch-size {args.eval_batch_size} must divide by {world}.")
     set_seed(args.seed)
-    log = accelerator.print
 
     (train_x, train_y), (test_x, test_y), source = load_mnist(args, accelerator)
     if source == "synthetic":
         log(f"DATA: real MNIST unavailable, training on SYNTHETIC digits ({len(train_x)} train / {len(test_x)} test)")
-    train_loader = DataLoader(TensorDataset(train_x, train_y), batch_size=args.batch_size, shuffle=True, drop_last=True)
+    train_loader = DataLoader(TensorDataset(train_x, train_y), batch_size=micro_batch, shuffle=True, drop_last=True)
     test_loader = DataLoader(TensorDataset(test_x, test_y), batch_size=args.eval_batch_size)
 
     model = ConvNet(batchnorm=not args.no_batchnorm)
@@ -204,7 +221,8 @@ def main(argv=None):
     lr = args.lr * (world if args.scale_lr else 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
     steps_per_epoch = len(train_loader) // args.grad_accum
-    total_steps = steps_per_epoch * args.epochs if not args.max_steps else min(args.max_steps, steps_per_epoch * args.epochs)
+    total_steps = steps_per_epoch * args.epochs
+    total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total_steps, 1))
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler)
@@ -216,6 +234,7 @@ def main(argv=None):
                           f"{ds_config.get('gradient_accumulation_steps')} and gradient_clipping="
                           f"{ds_config.get('gradient_clipping')}, the flags say {args.grad_accum} and "
                           f"{args.max_grad_norm}: remove those keys from the YAML so the flags decide.")
+    zero_stage = ds_config.get("zero_optimization", {}).get("stage") if ds_config else None
     inner = optimizer  # unwrap accelerate's and DeepSpeed's wrappers down to the optimizer that steps
     while hasattr(inner, "optimizer"):
         inner = inner.optimizer
@@ -229,20 +248,23 @@ def main(argv=None):
             if buffer.is_floating_point():
                 buffer.data = buffer.data.to(half)
     log(f"{accelerator.distributed_type.value} | {world} processes | mixed precision {accelerator.mixed_precision} | "
-        f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', '-')} | optimizer {optimizer_name} | "
-        f"global batch {args.batch_size} x {args.grad_accum} accum | {total_steps} steps")
+        f"ZeRO stage {zero_stage or '-'} | optimizer {optimizer_name} | global batch {args.batch_size} "
+        f"({args.grad_accum} x {micro_batch // world} per process) | {total_steps} steps", flush=True)
 
     os.makedirs(args.output_dir, exist_ok=True)
     metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w") if accelerator.is_main_process else None
     bar = tqdm(total=total_steps, disable=not (accelerator.is_main_process and sys.stdout.isatty()))
-    step, first_loss, epoch_loss, history = 0, None, float("nan"), []
+    step, epochs_run, first_loss, final_loss = 0, 0, None, float("nan")
     data_time = compute_time = 0.0
-    window = {"data": 0.0, "compute": 0.0, "samples": 0, "loss": torch.zeros((), device=accelerator.device), "n": 0}
+    window = dict(data=0.0, compute=0.0, micro=0, loss=torch.zeros((), device=accelerator.device))
     train_start = time.perf_counter()
     for epoch in range(args.epochs):
-        loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0
+        if step >= total_steps:
+            break
+        epoch_loss, epoch_micro, epochs_run = torch.zeros((), device=accelerator.device), 0, epochs_run + 1
         t0 = time.perf_counter()
-        for images, labels in train_loader:
+        # islice: stop at a whole number of optimizer steps, so --grad-accum never makes a short last step.
+        for images, labels in itertools.islice(train_loader, steps_per_epoch * args.grad_accum):
             t1 = time.perf_counter()  # time spent blocked in the loader: waiting for data
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(to_input(images, input_dtype)).float(), labels)
@@ -252,63 +274,65 @@ def main(argv=None):
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            loss_sum += loss.detach()
-            loss_count += 1
+            epoch_loss += loss.detach()
+            epoch_micro += 1
             window["loss"] += loss.detach()
-            window["n"] += 1
             t2 = time.perf_counter()
             window["data"] += t1 - t0
             window["compute"] += t2 - t1
-            window["samples"] += len(labels) * world
+            window["micro"] += 1
             t0 = t2
             if not accelerator.sync_gradients:
                 continue
             step += 1
             bar.update(1)
             if step % args.log_every == 0 or step == total_steps or step == 1:
-                mean_loss = accelerator.reduce(window["loss"] / window["n"], "mean").item()
+                mean_loss = accelerator.reduce(window["loss"] / window["micro"], "mean").item()
                 first_loss = mean_loss if first_loss is None else first_loss
                 elapsed = window["data"] + window["compute"]
                 record = {"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
-                          "samples_per_s": window["samples"] / elapsed,
-                          "data_ms": 1000 * window["data"] / window["n"], "compute_ms": 1000 * window["compute"] / window["n"]}
-                history.append(record)
+                          "samples_per_s": window["micro"] * micro_batch / elapsed,
+                          "data_ms": 1000 * window["data"] / window["micro"],
+                          "compute_ms": 1000 * window["compute"] / window["micro"]}
                 if metrics_file:
                     metrics_file.write(json.dumps(record) + "\n")
                 line = (f"epoch {epoch} step {step}/{total_steps} | loss {mean_loss:.4f} | "
-                        f"{record['samples_per_s']:.0f} samples/s | data {record['data_ms']:.1f} ms "
-                        f"compute {record['compute_ms']:.1f} ms per micro-batch")
+                        f"{record['samples_per_s']:.0f} samples/s | per micro-batch: data {record['data_ms']:.1f} ms, "
+                        f"compute {record['compute_ms']:.1f} ms")
                 tqdm.write(line) if not bar.disable else log(line, flush=True)
                 data_time, compute_time = data_time + window["data"], compute_time + window["compute"]
-                window.update(data=0.0, compute=0.0, samples=0, loss=torch.zeros((), device=accelerator.device), n=0)
+                window.update(data=0.0, compute=0.0, micro=0, loss=torch.zeros((), device=accelerator.device))
             if step >= total_steps:
                 break
-        epoch_loss = accelerator.reduce(loss_sum / max(loss_count, 1), "mean").item()
+        final_loss = accelerator.reduce(epoch_loss / max(epoch_micro, 1), "mean").item()
         accuracy, test_loss, test_count = evaluate(model, test_loader, accelerator, input_dtype)
-        log(f"epoch {epoch} done | train loss {epoch_loss:.4f} | test loss {test_loss:.4f} | "
+        log(f"epoch {epoch} done | train loss {final_loss:.4f} | test loss {test_loss:.4f} | "
             f"test accuracy {100 * accuracy:.2f}% on {test_count} images", flush=True)
-        if step >= total_steps:
-            break
     train_time = time.perf_counter() - train_start
     bar.close()
+    if step == 0:  # --epochs 0 (or --max-steps 0 on an empty set): evaluate the initial model only
+        accuracy, test_loss, test_count = evaluate(model, test_loader, accelerator, input_dtype)
 
     # Every rank takes part: under ZeRO-3 and FSDP the full weights are gathered from all shards.
     state_dict = accelerator.get_state_dict(model)
-    peak = accelerator.gather(torch.tensor([peak_memory_mb(accelerator)], device=accelerator.device)).max().item()
+    per_rank = accelerator.gather(torch.tensor([peak_memory_mb(accelerator), local_param_elements(model)],
+                                               dtype=torch.float64, device=accelerator.device)).view(world, 2)
     if accelerator.is_main_process:
         save_file({k: v.contiguous().cpu() for k, v in state_dict.items()},
                   os.path.join(args.output_dir, "model.safetensors"))
         summary = {
             "recipe": "mnist", "distributed_type": accelerator.distributed_type.value, "world_size": world,
-            "mixed_precision": accelerator.mixed_precision,
-            "deepspeed_stage": ds_config.get("zero_optimization", {}).get("stage") if ds_config else None,
-            "optimizer": optimizer_name, "data_source": source, "steps": step,
-            "first_loss": first_loss, "final_loss": epoch_loss, "test_loss": test_loss,
+            "mixed_precision": accelerator.mixed_precision, "deepspeed_stage": zero_stage,
+            "optimizer": optimizer_name, "data_source": source, "steps": step, "epochs": epochs_run,
+            "first_loss": first_loss, "final_loss": final_loss, "test_loss": test_loss,
             "test_accuracy": accuracy, "test_samples": test_count,
-            "samples_per_s": step * args.batch_size * args.grad_accum / train_time,
+            "samples_per_s": step * args.batch_size / train_time if step else 0.0,
             "data_time_s": data_time, "compute_time_s": compute_time,
             "data_fraction": data_time / max(data_time + compute_time, 1e-9),
-            "peak_memory_mb": peak, "peak_memory_kind": "cuda_allocated" if accelerator.device.type == "cuda" else "cpu_rss",
+            "peak_memory_mb": per_rank[:, 0].max().item(),
+            "peak_memory_kind": "cuda_allocated" if accelerator.device.type == "cuda" else "cpu_max_rss",
+            "param_elements": sum(v.numel() for k, v in state_dict.items() if v.is_floating_point() and "running" not in k),
+            "param_elements_per_rank": [int(n) for n in per_rank[:, 1].tolist()],
             "wall_time_s": time.perf_counter() - t_start, "args": vars(args),
         }
         with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
@@ -317,6 +341,9 @@ def main(argv=None):
         if source == "synthetic":
             log("DATA: these results are on SYNTHETIC digits, not real MNIST")
         print("SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "args"}), flush=True)
+    # Tear the process group down before the interpreter exits: left to the interpreter's
+    # finaliser, gloo's worker threads can abort the process ("terminate called without an
+    # active exception") after training has already succeeded.
     accelerator.end_training()
 
 

@@ -1,0 +1,133 @@
+"""Shared helpers: real `accelerate launch` runs of the recipes on this CPU-only machine.
+
+How each config runs on CPU (the "CPU route"), found with accelerate 1.15 / torch 2.14:
+  * distributed_type NO or MULTI_GPU: ACCELERATE_USE_CPU=1, accelerate's own switch.
+    The launcher still starts one process per requested GPU, and the workers form
+    a gloo process group (MULTI_CPU).
+  * DEEPSPEED or FSDP: tests/cpu_shim on PYTHONPATH (see its docstring), because
+    ACCELERATE_USE_CPU=1 silently turns both off. The shim is on the path of every
+    launch: it also gives SyncBatchNorm (--sync-bn) a CPU path, and does nothing else.
+  * multi-node configs: overridden to one machine at 127.0.0.1.
+A free port is given to every launch so runs never collide.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "accelerate_configs"
+CPU_SHIM = REPO / "tests" / "cpu_shim"
+ALL_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
+
+# A tiny synthetic set: learnable in 2 epochs, an odd test size so the last
+# evaluation batch does not divide by 2 processes.
+TRAIN_SIZE, TEST_SIZE = 2000, 501
+DATA_ARGS = ["--synthetic-train-size", str(TRAIN_SIZE), "--synthetic-test-size", str(TEST_SIZE)]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_yaml(config_name):
+    with open(CONFIG_DIR / config_name) as f:
+        return yaml.safe_load(f)
+
+
+def cpu_route(config_name):
+    """The launch arguments and environment that run `config_name` on this CPU machine."""
+    try:
+        cfg = load_yaml(config_name)
+    except yaml.YAMLError:
+        cfg = {"distributed_type": "MULTI_GPU"}  # a test of a broken file: accelerate must reject it
+    # The shim only acts on DeepSpeed/FSDP state and on SyncBatchNorm (--sync-bn); see its docstring.
+    args, env = ["--main_process_port", str(free_port())], {"PYTHONPATH": str(CPU_SHIM)}
+    if cfg["distributed_type"] not in ("DEEPSPEED", "FSDP"):
+        env["ACCELERATE_USE_CPU"] = "1"
+    if cfg.get("num_machines", 1) > 1:
+        args += ["--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
+                 "--num_processes", "2"]
+    return args, env
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    out_dir: Path
+
+    @property
+    def summary(self):
+        with open(self.out_dir / "summary.json") as f:
+            return json.load(f)
+
+    @property
+    def metrics(self):
+        with open(self.out_dir / "metrics.jsonl") as f:
+            return [json.loads(line) for line in f]
+
+    def params(self):
+        from safetensors.torch import load_file
+        return load_file(str(self.out_dir / "model.safetensors"))
+
+
+def run_command(cmd, env=None, timeout=600, cwd=REPO):
+    """Run in its own process group; on a timeout kill the whole group so nothing is left behind."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout}s; output:\n{output[-5000:]}")
+    return proc.returncode, output
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """Synthetic digits generated once for the whole session, in MNIST's idx format."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    from synthetic_mnist import write_synthetic_mnist
+    root = tmp_path_factory.mktemp("data")
+    write_synthetic_mnist(root / f"synthetic-{TRAIN_SIZE}-{TEST_SIZE}", TRAIN_SIZE, TEST_SIZE, seed=0)
+    return root
+
+
+@pytest.fixture(scope="session")
+def launch(data_dir, tmp_path_factory):
+    """launch(config, *recipe_args, launch_args=(), env=None, check=True) -> Run.
+
+    Runs are cached by their arguments, so tests that compare the same runs share one launch.
+    """
+    cache = {}
+
+    def _launch(config, *recipe_args, launch_args=(), env=None, check=True, recipe="recipes/mnist.py",
+                timeout=600):
+        key = (config, recipe_args, tuple(launch_args), tuple(sorted((env or {}).items())), recipe)
+        if key not in cache:
+            out_dir = tmp_path_factory.mktemp(Path(config).stem)
+            route_args, route_env = cpu_route(config)
+            cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), *route_args, *launch_args,
+                   recipe, "--data-dir", str(data_dir), "--output-dir", str(out_dir), *DATA_ARGS, *recipe_args]
+            returncode, output = run_command(cmd, env={**route_env, **(env or {})}, timeout=timeout)
+            cache[key] = Run(returncode, output, out_dir)
+        run = cache[key]
+        if check:
+            assert run.returncode == 0, f"launch failed ({run.returncode}):\n{run.output[-6000:]}"
+            assert "terminate called" not in run.output, run.output[-3000:]
+        return run
+
+    return _launch

@@ -1,0 +1,148 @@
+"""Real multi-process launches of recipes/mnist.py under every config, on CPU (see conftest's CPU route)."""
+
+import pytest
+import torch
+
+from conftest import ALL_CONFIGS, CONFIG_DIR, TEST_SIZE, load_yaml
+
+pytestmark = pytest.mark.slow
+
+# What must really run on this machine: (distributed type, world size, ZeRO stage, parameters sharded).
+# The GPU configs' MULTI_GPU becomes MULTI_CPU on the CPU route; the rest is what a GPU would run.
+EXPECTED = {
+    "cpu.yaml": ("NO", 1, None, False),
+    "1gpu.yaml": ("NO", 1, None, False),
+    "2gpu.yaml": ("MULTI_CPU", 2, None, False),
+    "multinode.yaml": ("MULTI_CPU", 2, None, False),
+    "deepspeed_zero1.yaml": ("DEEPSPEED", 2, 1, False),
+    "deepspeed_zero2.yaml": ("DEEPSPEED", 2, 2, False),
+    "deepspeed_zero3.yaml": ("DEEPSPEED", 2, 3, True),
+    "deepspeed_zero3_offload.yaml": ("DEEPSPEED", 2, 3, True),
+    "fsdp.yaml": ("FSDP", 2, None, True),
+}
+FP32 = ["--mixed_precision", "no"]  # exact comparisons need fp32; bf16 on CPU is also 7x slower
+SHORT = ("--max-steps", "8", "--log-every", "1")
+
+
+def test_every_config_has_an_expectation():
+    assert set(EXPECTED) == set(ALL_CONFIGS)
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_config_really_trains(launch, config):
+    run = launch(config, "--epochs", "2", "--log-every", "5")
+    s = run.summary
+    dist_type, world, stage, sharded = EXPECTED[config]
+    assert (s["distributed_type"], s["world_size"], s["deepspeed_stage"]) == (dist_type, world, stage)
+    assert s["mixed_precision"] == load_yaml(config).get("mixed_precision", "no")
+    assert s["data_source"] == "synthetic" and "SYNTHETIC" in run.output
+    assert s["final_loss"] < 0.5 * s["first_loss"], s
+    assert s["test_accuracy"] > 0.6, s  # chance is 0.1; 2 epochs of real learning reach ~0.9
+    assert s["test_samples"] == TEST_SIZE
+    assert len(s["param_elements_per_rank"]) == world
+    if sharded:  # ZeRO-3 / FSDP: every rank holds only a part of the weights
+        assert all(n < s["param_elements"] for n in s["param_elements_per_rank"]), s
+        assert sum(s["param_elements_per_rank"]) >= s["param_elements"]
+    else:
+        assert all(n == s["param_elements"] for n in s["param_elements_per_rank"]), s
+    # Offload swaps the optimizer; the summary must say which one really ran.
+    assert s["optimizer"] == ("DeepSpeedCPUAdam" if "offload" in config else "AdamW")
+    assert s["samples_per_s"] > 0 and 0 <= s["data_fraction"] < 1 and s["peak_memory_mb"] > 0
+    assert run.output.rstrip().splitlines()[-1].startswith("SUMMARY ") or "SUMMARY " in run.output
+
+
+def assert_same_params(a, b, atol=5e-5, rtol=1e-4):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name].float(), b[name].float(), atol=atol, rtol=rtol, msg=name)
+
+
+def test_sync_bn_one_process_equals_two(launch):
+    """Global batch B on 1 process == B/2 on each of 2 processes, when BatchNorm sees the global batch."""
+    one = launch("1gpu.yaml", "--sync-bn", *SHORT, launch_args=FP32)
+    two = launch("2gpu.yaml", "--sync-bn", *SHORT, launch_args=FP32)
+    assert (one.summary["world_size"], two.summary["world_size"]) == (1, 2)
+    assert one.summary["steps"] == two.summary["steps"] == 8
+    assert_same_params(one.params(), two.params())
+    # Without --sync-bn each process normalises its own half batch: the runs differ.
+    local_bn = launch("2gpu.yaml", *SHORT, launch_args=FP32)
+    with pytest.raises(AssertionError):
+        assert_same_params(one.params(), local_bn.params())
+
+
+def test_evaluation_is_exact_for_an_odd_test_set(launch):
+    """--epochs 0 evaluates the seeded initial model: identical counts on 1 and 2 processes, none dropped."""
+    one = launch("1gpu.yaml", "--epochs", "0", "--eval-batch-size", "100", launch_args=FP32).summary
+    two = launch("2gpu.yaml", "--epochs", "0", "--eval-batch-size", "100", launch_args=FP32).summary
+    assert one["test_samples"] == two["test_samples"] == TEST_SIZE
+    assert one["test_accuracy"] == two["test_accuracy"]
+    assert one["test_loss"] == pytest.approx(two["test_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_matches_ddp(launch, stage):
+    ddp = launch("2gpu.yaml", *SHORT, launch_args=FP32)
+    zero = launch(f"deepspeed_zero{stage}.yaml", *SHORT, launch_args=FP32)
+    assert zero.summary["deepspeed_stage"] == stage
+    ddp_losses = [m["loss"] for m in ddp.metrics]
+    zero_losses = [m["loss"] for m in zero.metrics]
+    assert len(ddp_losses) == len(zero_losses) == 8
+    assert zero_losses == pytest.approx(ddp_losses, rel=1e-4)
+    assert_same_params(ddp.params(), zero.params(), atol=1e-4)
+
+
+@pytest.mark.parametrize("config", ["2gpu.yaml", "deepspeed_zero2.yaml"])
+def test_grad_accum_equals_one_large_batch(launch, config):
+    """--grad-accum 2 with global batch B == no accumulation with B (without BatchNorm: see the docstring)."""
+    args = ("--no-batchnorm", "--batch-size", "128", *SHORT)
+    plain = launch(config, *args, launch_args=FP32)
+    accum = launch(config, *args, "--grad-accum", "2", launch_args=FP32)
+    assert plain.summary["steps"] == accum.summary["steps"] == 8
+    assert_same_params(plain.params(), accum.params())
+    assert [m["loss"] for m in accum.metrics] == pytest.approx([m["loss"] for m in plain.metrics], rel=1e-4)
+
+
+# --- errors a user can cause: one clear message, non-zero exit ---------------------------------
+
+def test_global_batch_must_divide(launch):
+    run = launch("2gpu.yaml", "--batch-size", "127", launch_args=FP32, check=False)
+    assert run.returncode != 0
+    assert "error: --batch-size 127 is the global batch" in run.output
+    assert "Traceback" not in run.output.split("error: --batch-size")[0][-2000:]
+
+
+def test_strict_mnist_offline_says_what_to_do(launch, tmp_path):
+    run = launch("2gpu.yaml", "--data", "mnist", "--data-dir", str(tmp_path / "empty"), launch_args=FP32,
+                 check=False)
+    assert run.returncode != 0
+    assert "MNIST is not in" in run.output and "login node" in run.output
+
+
+def test_gpu_config_on_cpu_refuses_independent_copies(launch):
+    """A MULTI_GPU config on a machine without GPUs would train 2 unrelated copies; the recipe stops."""
+    run = launch("2gpu.yaml", *SHORT, launch_args=FP32, env={"ACCELERATE_USE_CPU": "0"}, check=False)
+    assert run.returncode != 0
+    assert "the launcher started 2 processes" in run.output and "ACCELERATE_USE_CPU=1" in run.output
+
+
+def test_deepspeed_config_may_not_contradict_the_flags(launch, tmp_path):
+    cfg = (CONFIG_DIR / "deepspeed_zero2.yaml").read_text().replace(
+        "  zero_stage: 2", "  gradient_accumulation_steps: 4  # contradicts --grad-accum\n  zero_stage: 2")
+    bad = tmp_path / "zero2_gas4.yaml"
+    bad.write_text(cfg)
+    run = launch(str(bad), *SHORT, launch_args=FP32, check=False)
+    assert run.returncode != 0
+    assert "gradient_accumulation_steps=4" in run.output and "remove those keys" in run.output
+
+
+@pytest.mark.parametrize("content, message", [
+    ("distributed_type: MULTI_GPU\nnum_processes: [2\n", "while parsing"),
+    ("distributed_type: MULTI_GPU\nnum_procesess: 2\n", "unknown keys (['num_procesess'])"),
+])
+def test_bad_yaml_is_rejected_before_any_process_starts(launch, tmp_path, content, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("compute_environment: LOCAL_MACHINE\n" + content)
+    run = launch(str(bad), "--epochs", "1", check=False)
+    assert run.returncode != 0
+    assert message in run.output and "bad.yaml" in run.output
+    assert "DATA:" not in run.output  # the recipe never started
