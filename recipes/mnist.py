@@ -341,9 +341,12 @@ def main(argv=None):
         if source == "synthetic":
             log("DATA: these results are on SYNTHETIC digits, not real MNIST")
         print("SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "args"}), flush=True)
-    # Tear the process group down before the interpreter exits: left to the interpreter's
-    # finaliser, gloo's worker threads can abort the process ("terminate called without an
-    # active exception") after training has already succeeded.
+    # Drop everything that holds the process group (the DDP wrapper, the DeepSpeed engine),
+    # then destroy it while the interpreter is still alive. Left to interpreter shutdown,
+    # gloo's C++ side is torn down after Python and can abort the process ("terminate
+    # called without an active exception") after training has already succeeded.
+    del model, optimizer, scheduler, train_loader, test_loader
+    accelerator.free_memory()
     accelerator.end_training()
 
 
