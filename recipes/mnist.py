@@ -23,12 +23,14 @@ Gradient accumulation (`--grad-accum K`) gives exactly the gradients of one
 K-times larger batch only without BatchNorm (`--no-batchnorm`): BatchNorm
 normalises each micro-batch with its own statistics.
 
-Results (defaults: 3 epochs, global batch 128, AdamW 1e-3, cosine decay):
-  * synthetic digits, 2 processes on 2 CPU cores (cpu route of 2gpu.yaml):
-    see the table in README.md, measured on this repo's CI-class machine.
-  * real MNIST: these defaults are the course settings that reach 99% test
-    accuracy in 3 epochs; this repo's machines cannot download MNIST, so that
-    figure has not been re-measured here (see README).
+Results (defaults: 3 epochs, global batch 128, AdamW 1e-3 with cosine decay):
+  * synthetic digits (20k train / 5k test), fp32, measured 2026-11-22 on a
+    2-core CPU machine without GPU: 99.98% test accuracy, final train loss
+    0.0019, identically for 1 process (1300 samples/s), DDP on 2 processes
+    (1960 samples/s), ZeRO-2, ZeRO-3 and FSDP2 (table in README.md).
+  * real MNIST: these are the usual course settings that reach 99% in 3
+    epochs, but the machines this was written on cannot download MNIST, so
+    that figure is NOT re-measured here.
 """
 
 import argparse
