@@ -180,15 +180,17 @@ def peak_memory_mb(accelerator):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def local_param_elements(model):
-    """Parameter elements this rank really holds: a shard under ZeRO-3 and FSDP, everything otherwise."""
-    total = 0
+def held_parameters(model):
+    """(elements, checksum) of the parameters this rank really holds: a shard under ZeRO-3 and FSDP."""
+    elements, checksum = 0, 0.0
     for p in model.parameters():
         held = getattr(p, "ds_tensor", None)  # ZeRO-3 keeps this rank's partition here
         if held is None and hasattr(p, "to_local"):  # FSDP2 parameters are DTensors
             held = p.to_local()
-        total += (p if held is None else held).numel()
-    return total
+        held = p if held is None else held
+        elements += held.numel()
+        checksum += held.detach().double().sum().item()
+    return elements, checksum
 
 
 def main(argv=None):
@@ -317,8 +319,8 @@ def main(argv=None):
 
     # Every rank takes part: under ZeRO-3 and FSDP the full weights are gathered from all shards.
     state_dict = accelerator.get_state_dict(model)
-    per_rank = accelerator.gather(torch.tensor([peak_memory_mb(accelerator), local_param_elements(model)],
-                                               dtype=torch.float64, device=accelerator.device)).view(world, 2)
+    per_rank = accelerator.gather(torch.tensor([peak_memory_mb(accelerator), *held_parameters(model)],
+                                               dtype=torch.float64, device=accelerator.device)).view(world, 3)
     if accelerator.is_main_process:
         save_file({k: v.contiguous().cpu() for k, v in state_dict.items()},
                   os.path.join(args.output_dir, "model.safetensors"))
@@ -335,6 +337,7 @@ def main(argv=None):
             "peak_memory_kind": "cuda_allocated" if accelerator.device.type == "cuda" else "cpu_max_rss",
             "param_elements": sum(v.numel() for k, v in state_dict.items() if v.is_floating_point() and "running" not in k),
             "param_elements_per_rank": [int(n) for n in per_rank[:, 1].tolist()],
+            "param_checksum_per_rank": per_rank[:, 2].tolist(),  # equal on every rank unless sharded
             "wall_time_s": time.perf_counter() - t_start, "args": vars(args),
         }
         with open(os.path.join(args.output_dir, "summary.json"), "w") as f:

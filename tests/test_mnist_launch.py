@@ -43,8 +43,9 @@ def test_config_really_trains(launch, config):
     if sharded:  # ZeRO-3 / FSDP: every rank holds only a part of the weights
         assert all(n < s["param_elements"] for n in s["param_elements_per_rank"]), s
         assert sum(s["param_elements_per_rank"]) >= s["param_elements"]
-    else:
+    else:  # replicated: every rank holds the same, synchronised weights
         assert all(n == s["param_elements"] for n in s["param_elements_per_rank"]), s
+        assert len(set(s["param_checksum_per_rank"])) == 1, s
     # Offload swaps the optimizer; the summary must say which one really ran.
     assert s["optimizer"] == ("DeepSpeedCPUAdam" if "offload" in config else "AdamW")
     assert s["samples_per_s"] > 0 and 0 <= s["data_fraction"] < 1 and s["peak_memory_mb"] > 0

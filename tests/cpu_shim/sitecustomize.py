@@ -30,7 +30,11 @@ def _force_gpu_like_state():
 
     os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
 
+    cpu_backend = PartialState._prepare_backend
+
     def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        if cpu:  # ACCELERATE_USE_CPU=1 was asked for: accelerate's own MULTI_CPU route
+            return cpu_backend(self, cpu, sagemaker_dp, backend)
         return "gloo", DistributedType.MULTI_GPU
 
     PartialState._prepare_backend = prepare_backend

@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""Turn Slurm's variables into an `accelerate launch` of a recipe, evaluated inside each task.
+
+Run it under `srun` from an sbatch script (see launch/*.sbatch):
+
+    srun --kill-on-bad-exit=1 python3 launch/slurm_launch.py CONFIG RECIPE [RECIPE ARGS...]
+
+The config chooses DDP, DeepSpeed or FSDP; Slurm decides the sizes.
+
+Mode `per-node` (default, `--ntasks-per-node=1`): each task is one node's
+`accelerate launch`, which starts one process per GPU of that node.
+Mode `per-gpu` (`--ntasks-per-node` = GPUs per node, as the national centres'
+tutorials do): each task is one training process. accelerate's own code turns
+the config into the environment the recipe reads, and the ranks come from
+SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS.
+
+`--dry-run` prints the command (and, per-gpu, the rank variables) and exits.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import yaml
+
+GPU_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP")
+
+
+class LaunchError(Exception):
+    """A problem the user can fix; printed as one line, exit status 2."""
+
+
+def expand_hostlist(nodelist):
+    """Every host of a Slurm node list, in order: `n[1-2]`, `gpu[01-04,07]`, `rack[1-2]-n[01-02]`, ..."""
+    try:
+        import hostlist  # python-hostlist, the package the IDRIS course code uses
+        hosts = hostlist.expand_hostlist(nodelist)
+    except Exception as exc:  # BadHostlist, or an empty or malformed string
+        raise LaunchError(f"cannot parse the Slurm node list {nodelist!r} ({exc})") from None
+    if not hosts:
+        raise LaunchError(f"the Slurm node list {nodelist!r} names no host")
+    return hosts
+
+
+def first_host(nodelist, scontrol="scontrol"):
+    """The job's first host: `scontrol show hostnames` when it works, else our own expansion."""
+    if shutil.which(scontrol):
+        try:  # scontrol can be installed without a slurm.conf ("Could not establish a configuration source")
+            out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
+                                 timeout=20)
+            if out.returncode == 0 and out.stdout.split():
+                return out.stdout.split()[0]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return expand_hostlist(nodelist)[0]
+
+
+def count_gpus(env):
+    """GPUs Slurm gave this task, from the first variable that says."""
+    if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        return int(env["SLURM_GPUS_ON_NODE"])
+    for name in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"):
+        value = env.get(name, "").strip()
+        if value and value not in ("NoDevFiles", "-1"):
+            return len(value.split(","))
+    return 0
+
+
+def require(env, *names):
+    for name in names:
+        if env.get(name, "") != "":
+            return env[name]
+    raise LaunchError(f"Slurm variable {' or '.join(names)} is not set: run this inside an sbatch job, under srun")
+
+
+def tasks_per_node(env):
+    """This step's tasks per node; Slurm writes e.g. '2(x3)' or '2,1'."""
+    value = env.get("SLURM_NTASKS_PER_NODE") or require(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    counts = {int(m) for m in re.findall(r"(\d+)(?:\(x\d+\))?", value)}
+    if len(counts) != 1:
+        raise LaunchError(f"uneven tasks per node ({value}); give every node the same --ntasks-per-node")
+    return counts.pop()
+
+
+def job_port(env, override):
+    """A rendezvous port derived from the job id, so two jobs on one node never collide."""
+    if override:
+        return override
+    return 20000 + int(require(env, "SLURM_JOB_ID")) % 20000
+
+
+def plan(args, env):
+    """Return (command, extra environment) for this task, or raise LaunchError."""
+    if "SLURM_JOB_ID" not in env:
+        raise LaunchError("not inside a Slurm job (SLURM_JOB_ID is unset): submit it with sbatch, "
+                          "see launch/single_node.sbatch")
+    if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
+        raise LaunchError("run inside a job step: `srun --kill-on-bad-exit=1 python3 launch/slurm_launch.py ...`")
+    if not os.path.isfile(args.config):
+        raise LaunchError(f"config file {args.config!r} does not exist (see accelerate_configs/)")
+    try:
+        with open(args.config) as f:
+            config = yaml.safe_load(f)
+        distributed_type = config["distributed_type"]
+    except (yaml.YAMLError, TypeError, KeyError) as exc:
+        raise LaunchError(f"{args.config} is not an accelerate config ({exc})") from None
+    if not os.path.isfile(args.recipe):
+        raise LaunchError(f"recipe {args.recipe!r} does not exist")
+
+    nodes = int(require(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
+    node_rank = int(require(env, "SLURM_NODEID"))
+    main_host = first_host(require(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
+    port = job_port(env, args.port)
+    ntasks_node = tasks_per_node(env)
+    gpus = count_gpus(env)
+    on_cpu = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if distributed_type in GPU_TYPES and gpus == 0 and not (on_cpu or args.processes_per_node):
+        raise LaunchError(f"{args.config} is a GPU config ({distributed_type}) but Slurm gave this task no GPU: "
+                          f"the processes would train as independent copies. Ask for GPUs (--gres=gpu:N) or, "
+                          f"on a CPU-only cluster, set ACCELERATE_USE_CPU=1 and --processes-per-node.")
+    per_node = args.processes_per_node or gpus or 1
+
+    if args.mode == "per-node":
+        if ntasks_node != 1:
+            raise LaunchError(f"mode per-node needs one task per node, this step has {ntasks_node}: use "
+                              f"--ntasks-per-node=1, or --mode per-gpu")
+        cmd = ["accelerate", "launch", "--config_file", args.config,
+               "--num_machines", str(nodes), "--machine_rank", str(node_rank),
+               "--num_processes", str(nodes * per_node),
+               "--main_process_ip", main_host, "--main_process_port", str(port),
+               "--rdzv_backend", "static", "--same_network"]
+        if distributed_type == "DEEPSPEED":
+            cmd += ["--deepspeed_multinode_launcher", "standard"]  # torchrun on every node, no pdsh/ssh
+        return cmd + [args.recipe, *args.recipe_args], {}
+
+    # per-gpu: this task is one process of nodes x tasks-per-node.
+    if ntasks_node != per_node:
+        raise LaunchError(f"mode per-gpu needs one task per GPU: {ntasks_node} tasks per node but {per_node} "
+                          f"GPUs (or --processes-per-node); use --ntasks-per-node={per_node}")
+    world = int(require(env, "SLURM_NTASKS"))
+    ranks = {"RANK": require(env, "SLURM_PROCID"), "LOCAL_RANK": require(env, "SLURM_LOCALID"),
+             "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(ntasks_node), "GROUP_RANK": str(node_rank),
+             "MASTER_ADDR": main_host, "MASTER_PORT": str(port)}
+    return [sys.executable, args.recipe, *args.recipe_args], {**accelerate_env(args.config, nodes, world), **ranks}
+
+
+def accelerate_env(config_file, nodes, world):
+    """The environment `accelerate launch` would give a worker for this config (its own code)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    parsed = launch_command_parser().parse_args(
+        ["--config_file", config_file, "--num_machines", str(nodes), "--num_processes", str(world),
+         "--main_process_ip", "127.0.0.1", "--main_process_port", "1", "placeholder.py"])
+    parsed, defaults, mp_from_config = _validate_launch_command(parsed)
+    if parsed.use_deepspeed:  # as accelerate's launch_command does before its DeepSpeed launcher
+        fields = list(defaults.deepspeed_config) if defaults else []
+        parsed.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mp_from_config)
+        parsed.deepspeed_multinode_launcher = "standard"
+        _, env = prepare_deepspeed_cmd_env(parsed)
+    else:
+        env = prepare_multi_gpu_env(parsed)
+    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_")) and os.environ.get(k) != v}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=["per-node", "per-gpu"], default="per-node",
+                   help="per-node: one srun task per node runs accelerate launch; per-gpu: one task per process")
+    p.add_argument("--processes-per-node", type=int, default=0,
+                   help="override the GPU count Slurm reports (CPU-only clusters)")
+    p.add_argument("--port", type=int, default=0, help="rendezvous port (default: derived from the job id)")
+    p.add_argument("--dry-run", action="store_true", help="print what this task would run, and exit")
+    p.add_argument("config", help="an accelerate config, e.g. accelerate_configs/2gpu.yaml")
+    p.add_argument("recipe", help="the training script, e.g. recipes/mnist.py")
+    p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="passed to the recipe unchanged")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        cmd, extra_env = plan(args, os.environ)
+    except LaunchError as exc:
+        print(f"slurm_launch: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        prefix = "".join(f"{k}={v} " for k, v in sorted(extra_env.items()))
+        print(f"[node {os.environ.get('SLURM_NODEID')} task {os.environ.get('SLURM_PROCID')}] {prefix}"
+              + " ".join(cmd), flush=True)
+        return 0
+    # One line per task in the job log: which host ran what (the test of the templates reads it).
+    print(f"slurm_launch: {socket.gethostname()} node {os.environ.get('SLURM_NODEID')} task "
+          f"{os.environ.get('SLURM_PROCID')}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # exec: Slurm's signals and exit status go straight to accelerate / the recipe.
+    os.execvpe(cmd[0], cmd, {**os.environ, **extra_env})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

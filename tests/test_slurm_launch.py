@@ -1,0 +1,326 @@
+"""launch/: the translation of Slurm's variables (unit tests on environments captured from real
+srun/sbatch runs) and the sbatch templates on a real Slurm cluster of one and two nodes."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA_ARGS, REPO, cpu_route
+
+sys.path.insert(0, str(REPO / "launch"))
+import slurm_launch  # noqa: E402
+from slurm_cluster import SlurmCluster, unavailable_reason  # noqa: E402
+
+FIXTURES = REPO / "tests" / "fixtures" / "slurm_env"
+_real_first_host = slurm_launch.first_host  # the autouse fixture below replaces it in the module
+
+
+def captured(name):
+    """An environment captured inside a real job of tests/slurm_cluster.py (see fixtures/slurm_env)."""
+    env = {}
+    for line in (FIXTURES / f"{name}.env").read_text().splitlines():
+        key, _, value = line.partition("=")
+        env[key] = value
+    return env
+
+
+def plan(argv, env):
+    return slurm_launch.plan(slurm_launch.parse_args(argv), env)
+
+
+def flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+CONFIG, RECIPE = "accelerate_configs/2gpu.yaml", "recipes/mnist.py"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+    # No scontrol in the unit tests (the host's own would answer): test our expansion.
+    monkeypatch.setattr(slurm_launch, "first_host", lambda nodelist: _real_first_host(nodelist, "no-scontrol"))
+
+
+# --- unit tests: the translation ---------------------------------------------------------------
+
+def test_one_node_step():
+    env = captured("step_1node_1task")
+    cmd, extra = plan([CONFIG, RECIPE, "--epochs", "2"], env)
+    assert cmd[:4] == ["accelerate", "launch", "--config_file", CONFIG]
+    assert flag(cmd, "--num_machines") == "1" and flag(cmd, "--machine_rank") == "0"
+    assert flag(cmd, "--num_processes") == "2"  # SLURM_GPUS_ON_NODE=2
+    assert flag(cmd, "--main_process_ip") == "node1"
+    assert flag(cmd, "--main_process_port") == str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
+    assert cmd[-3:] == [RECIPE, "--epochs", "2"] and extra == {}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_node_step_ranks_come_from_each_task(rank):
+    env = captured(f"step_2nodes_rank{rank}")
+    cmd, _ = plan(["accelerate_configs/deepspeed_zero2.yaml", RECIPE], env)
+    assert flag(cmd, "--num_machines") == "2"
+    assert flag(cmd, "--machine_rank") == str(rank)
+    assert flag(cmd, "--num_processes") == "4"
+    assert flag(cmd, "--main_process_ip") == "node1"
+    assert flag(cmd, "--deepspeed_multinode_launcher") == "standard"  # no pdsh/ssh
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_per_gpu_mode_sets_the_ranks_slurm_gave(rank):
+    env = captured(f"step_1node_2tasks_rank{rank}")
+    cmd, extra = plan(["--mode", "per-gpu", "accelerate_configs/deepspeed_zero2.yaml", RECIPE], env)
+    assert cmd[1:] == [RECIPE]
+    assert (extra["RANK"], extra["LOCAL_RANK"], extra["WORLD_SIZE"]) == (str(rank), str(rank), "2")
+    assert extra["MASTER_ADDR"] == "node1" and extra["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert extra["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2"
+
+
+def test_port_override_and_job_ids_differ():
+    env = captured("step_1node_1task")
+    assert flag(plan(["--port", "31234", CONFIG, RECIPE], env)[0], "--main_process_port") == "31234"
+    other = dict(env, SLURM_JOB_ID=str(int(env["SLURM_JOB_ID"]) + 1))
+    assert flag(plan([CONFIG, RECIPE], env)[0], "--main_process_port") != \
+        flag(plan([CONFIG, RECIPE], other)[0], "--main_process_port")
+
+
+@pytest.mark.parametrize("name, gpus", [("SLURM_GPUS_ON_NODE", "4"), ("SLURM_STEP_GPUS", "0,1,2,3"),
+                                        ("SLURM_JOB_GPUS", "4,5,6,7"), ("CUDA_VISIBLE_DEVICES", "0,1,2,3")])
+def test_gpu_count_from_any_slurm_variable(name, gpus):
+    env = {k: v for k, v in captured("step_1node_1task").items()
+           if k not in ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES")}
+    env[name] = gpus
+    assert flag(plan([CONFIG, RECIPE], env)[0], "--num_processes") == "4"
+
+
+@pytest.mark.parametrize("nodelist, first, count", [
+    ("n[1-2]", "n1", 2), ("gpu[01-04,07]", "gpu01", 5), ("r13i5n[7-8],r13i6n0", "r13i5n7", 3),
+    ("rack[1-2]-n[01-02]", "rack1-n01", 4), ("node17", "node17", 1),
+    ("node-[1-3]-ib", "node-1-ib", 3)])  # Slurm 22.05's scontrol rejects this one: "Invalid hostlist"
+def test_every_hostlist_form(nodelist, first, count):
+    hosts = slurm_launch.expand_hostlist(nodelist)
+    assert hosts[0] == first and len(hosts) == count
+    assert slurm_launch.first_host(nodelist) == first
+
+
+def test_scontrol_that_fails_falls_back(monkeypatch, tmp_path):
+    """scontrol installed without a slurm.conf fails ('Could not establish a configuration source')."""
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\necho 'scontrol: error: Could not establish a configuration source' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    assert _real_first_host("gpu[03-04]", str(fake)) == "gpu03"
+    assert _real_first_host("node-[1-3]-ib", str(fake)) == "node-1-ib"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"SLURM_JOB_ID": None}, "not inside a Slurm job"),
+    ({"SLURM_STEP_ID": None, "SLURM_STEPID": None}, "run inside a job step"),
+    ({"SLURM_NODEID": None}, "SLURM_NODEID is not set"),
+    ({"SLURM_STEP_NODELIST": "node[1-", "SLURM_JOB_NODELIST": "node[1-"}, "cannot parse the Slurm node list"),
+    ({"SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_TASKS_PER_NODE": "2"}, "mode per-node needs one task per node"),
+    ({"SLURM_GPUS_ON_NODE": "0", "SLURM_STEP_GPUS": None, "SLURM_JOB_GPUS": None, "CUDA_VISIBLE_DEVICES": None},
+     "GPU config (MULTI_GPU) but Slurm gave this task no GPU"),
+])
+def test_each_error_is_one_clear_message(change, message, capsys):
+    env = captured("step_1node_1task")
+    for key, value in change.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    with pytest.raises(slurm_launch.LaunchError, match=re.escape(message)):
+        plan([CONFIG, RECIPE], env)
+
+
+def test_missing_config_and_cli_exit_code():
+    env = {**os.environ, **captured("step_1node_1task")}
+    out = subprocess.run([sys.executable, "launch/slurm_launch.py", "accelerate_configs/nope.yaml", RECIPE],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("slurm_launch: error: config file 'accelerate_configs/nope.yaml' does not "
+                                  "exist (see accelerate_configs/)")
+
+
+def test_dry_run_prints_the_command_and_starts_nothing(tmp_path):
+    env = {**os.environ, **captured("step_2nodes_rank1"), "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    (tmp_path / "accelerate").write_text("#!/bin/sh\necho accelerate must not run >&2; exit 9\n")
+    (tmp_path / "accelerate").chmod(0o755)
+    out = subprocess.run([sys.executable, "launch/slurm_launch.py", "--dry-run", CONFIG, RECIPE, "--epochs", "1"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("[node 1 task 1] accelerate launch --config_file accelerate_configs/2gpu.yaml "
+                                 "--num_machines 2 --machine_rank 1 --num_processes 4 --main_process_ip node1 ")
+    assert out.stdout.rstrip().endswith("recipes/mnist.py --epochs 1")
+
+
+def test_outside_slurm_exits_before_anything_starts():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run([sys.executable, "launch/slurm_launch.py", CONFIG, RECIPE], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "not inside a Slurm job" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["batch_1node", "batch_2nodes"])
+def test_in_the_batch_script_itself_is_refused(name):
+    """Run once in the batch script, the launcher would start node 0 only and the job would hang."""
+    with pytest.raises(slurm_launch.LaunchError, match="run inside a job step"):
+        plan([CONFIG, RECIPE], captured(name))
+
+
+def test_tasks_per_node_forms():
+    assert slurm_launch.tasks_per_node({"SLURM_TASKS_PER_NODE": "1(x2)"}) == 1
+    assert slurm_launch.tasks_per_node({"SLURM_STEP_TASKS_PER_NODE": "4(x3)"}) == 4
+    with pytest.raises(slurm_launch.LaunchError, match="uneven tasks per node"):
+        slurm_launch.tasks_per_node({"SLURM_STEP_TASKS_PER_NODE": "2,1"})
+
+
+def test_per_gpu_mode_needs_one_task_per_gpu():
+    with pytest.raises(slurm_launch.LaunchError, match="mode per-gpu needs one task per GPU"):
+        plan(["--mode", "per-gpu", CONFIG, RECIPE], captured("step_1node_1task"))
+
+
+# --- a real Slurm ---------------------------------------------------------------------------------
+
+def _cluster(tmp_path_factory, nodes):
+    reason = unavailable_reason()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the real-Slurm tests: {reason}")
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp(f"slurm{nodes}"), nodes=nodes)
+    cluster.start()
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    cluster = _cluster(tmp_path_factory, 1)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    cluster = _cluster(tmp_path_factory, 2)
+    yield cluster
+    cluster.stop()
+
+
+def submit(cluster, sbatch_args, launch_args, data_dir, out_dir, env=None, wait=True):
+    """sbatch a template from the repo root; return (state, log text, job id)."""
+    recipe_args = ["--data-dir", str(data_dir), "--output-dir", str(out_dir), *DATA_ARGS,
+                   "--max-steps", "6", "--log-every", "1"]
+    log = out_dir.parent / f"{out_dir.name}.log"
+    config = next((a for a in launch_args if a.endswith(".yaml")), "")
+    route_env = cpu_route(Path(config).name)[1] if (REPO / config).is_file() else {}
+    job_env = {"OMP_NUM_THREADS": "1", **route_env, **(env or {})}  # the CPU route of conftest
+    job = cluster.sbatch(["-o", str(log), *sbatch_args, *launch_args, *recipe_args], cwd=REPO, env=job_env)
+    if not wait:
+        return job, log
+    state, _ = cluster.wait(job, timeout=400)
+    return state, log.read_text(), job
+
+
+def summary(out_dir):
+    return json.loads((out_dir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_single_node_template_with_fake_gpus(one_node, data_dir, tmp_path):
+    state, log, _ = submit(one_node, ["launch/single_node.sbatch"], [CONFIG, RECIPE], data_dir, tmp_path / "out")
+    assert state == "COMPLETED", log
+    s = summary(tmp_path / "out")
+    assert (s["world_size"], s["distributed_type"]) == (2, "MULTI_CPU")  # 2 fake GPUs -> 2 processes
+    assert "--num_processes 2" in log
+
+
+@pytest.mark.slow
+def test_two_jobs_on_one_node_do_not_collide(one_node, data_dir, tmp_path):
+    # No GPUs asked for, so both fit on the node at once; 1 process each.
+    jobs = [submit(one_node, ["--gres=none", "launch/single_node.sbatch", "--processes-per-node", "1"],
+                   [CONFIG, RECIPE], data_dir, tmp_path / f"out{i}", wait=False) for i in range(2)]
+    results = [(one_node.wait(job, timeout=400), log) for job, log in jobs]
+    for (state, fields), log in results:
+        assert state == "COMPLETED", log.read_text()
+    ports = {log.read_text().split("--main_process_port ")[1].split()[0] for _, log in results}
+    assert len(ports) == 2
+    (_, a), (_, b) = [r[0] for r in results]
+    assert a["StartTime"] <= b["EndTime"] and b["StartTime"] <= a["EndTime"], "the jobs did not overlap"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["2gpu.yaml", "deepspeed_zero2.yaml"])
+def test_two_node_job(two_nodes, data_dir, tmp_path, config):
+    cfg = f"accelerate_configs/{config}"
+    args = ["launch/multinode.sbatch"]
+    if config.startswith("deepspeed"):
+        args.append("--processes-per-node=1")  # keep DeepSpeed at 2 processes on this 2-core machine
+    state, log, _ = submit(two_nodes, args, [cfg, RECIPE], data_dir, tmp_path / "out")
+    assert state == "COMPLETED", log
+    s = summary(tmp_path / "out")
+    world = 2 if config.startswith("deepspeed") else 4
+    assert s["world_size"] == world
+    assert s["distributed_type"] == ("DEEPSPEED" if config.startswith("deepspeed") else "MULTI_CPU")
+    lines = [line for line in log.splitlines() if line.startswith("slurm_launch: ")]
+    assert {line.split()[1] for line in lines} == {"node1", "node2"}, log  # a process on each host
+    assert all("--main_process_ip node1" in line for line in lines)  # the namespace address, not localhost
+    assert {line.split("--machine_rank ")[1].split()[0] for line in lines} == {"0", "1"}
+    assert len(set(s["param_checksum_per_rank"])) == 1  # every rank ends with the same weights
+
+
+@pytest.mark.slow
+def test_per_gpu_mode_two_tasks_on_one_node(one_node, data_dir, tmp_path):
+    """The tutorials' layout: --ntasks-per-node = GPUs per node, one process per task."""
+    args = ["--ntasks-per-node=2", "launch/single_node.sbatch", "--mode", "per-gpu"]
+    state, log, _ = submit(one_node, args, [CONFIG, RECIPE], data_dir, tmp_path / "out")
+    assert state == "COMPLETED", log
+    s = summary(tmp_path / "out")
+    assert (s["world_size"], s["distributed_type"]) == (2, "MULTI_CPU")
+    assert len(set(s["param_checksum_per_rank"])) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["2gpu.yaml", "deepspeed_zero2.yaml", "fsdp.yaml"])
+def test_per_gpu_mode_on_two_nodes(two_nodes, data_dir, tmp_path, config):
+    args = ["--ntasks-per-node=1", "launch/multinode.sbatch", "--mode", "per-gpu", "--processes-per-node", "1"]
+    state, log, _ = submit(two_nodes, args, [f"accelerate_configs/{config}", RECIPE], data_dir, tmp_path / "out")
+    assert state == "COMPLETED", log
+    s = summary(tmp_path / "out")
+    assert s["world_size"] == 2
+    expected = {"2gpu.yaml": "MULTI_CPU", "deepspeed_zero2.yaml": "DEEPSPEED", "fsdp.yaml": "FSDP"}[config]
+    assert s["distributed_type"] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sbatch_args, launch_args, env, message", [
+    (["--ntasks-per-node=2"], [CONFIG, RECIPE], {}, "mode per-node needs one task per node"),
+    (["--gres=none"], [CONFIG, RECIPE], {"ACCELERATE_USE_CPU": ""}, "but Slurm gave this task no GPU"),
+    ([], ["accelerate_configs/missing.yaml", RECIPE], {}, "does not exist"),
+])
+def test_template_errors_fail_the_job_with_one_message(one_node, data_dir, tmp_path, sbatch_args, launch_args,
+                                                       env, message):
+    state, log, _ = submit(one_node, [*sbatch_args, "launch/single_node.sbatch"], launch_args, data_dir,
+                           tmp_path / "out", env=env)
+    assert state == "FAILED"
+    assert message in log
+    assert not (tmp_path / "out").exists()  # no process started
+
+
+def test_shell_scripts_are_clean():
+    scripts = [*sorted((REPO / "launch").glob("*.sbatch")), REPO / ".ci" / "run"]
+    for script in scripts:
+        text = script.read_text()
+        assert "set -euo pipefail" in text, script
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+    if shutil.which("shellcheck") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI installs shellcheck (.ci/run); it is missing")
+        pytest.skip("shellcheck not installed (apt-get install shellcheck)")
+    out = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
