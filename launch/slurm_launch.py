@@ -93,7 +93,7 @@ def job_port(env, override):
     return 20000 + int(require(env, "SLURM_JOB_ID")) % 20000
 
 
-def plan(args, env):
+def plan(args, env, resolve=True):
     """Return (command, extra environment) for this task, or raise LaunchError."""
     if "SLURM_JOB_ID" not in env:
         raise LaunchError("not inside a Slurm job (SLURM_JOB_ID is unset): submit it with sbatch, "
@@ -114,6 +114,12 @@ def plan(args, env):
     nodes = int(require(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
     node_rank = int(require(env, "SLURM_NODEID"))
     main_host = first_host(require(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
+    if resolve and not args.dry_run:
+        try:  # every rank connects to this name; a name the node cannot resolve would hang until the timeout
+            socket.getaddrinfo(main_host, None)
+        except socket.gaierror as exc:
+            raise LaunchError(f"this node cannot resolve the job's first host {main_host!r} ({exc}); "
+                              f"the processes could never meet") from None
     port = job_port(env, args.port)
     ntasks_node = tasks_per_node(env)
     gpus = count_gpus(env)

@@ -6,7 +6,7 @@ are stopped by the PIDs this module started, nothing else.
 
 Layouts (every node has 2 fake GPUs, gres on /dev/tty0-1, so tasks get
 SLURM_GPUS_ON_NODE, SLURM_STEP_GPUS and CUDA_VISIBLE_DEVICES as on a GPU node):
-  * nodes=1: slurmctld and one slurmd ("node1") on 127.0.0.1.
+  * nodes=1: slurmctld and one slurmd on 127.0.0.1, the node named as this machine.
   * nodes=2: three network namespaces made here (controller, node1, node2), joined by
     a bridge inside the controller's namespace on 10.213.7.0/24, so nothing outside
     them is touched. Each daemon gets its own hostname and /etc/hosts (unshare -mu and
@@ -82,7 +82,8 @@ SUBNET = "10.213.7"  # only ever assigned inside the namespaces this module crea
 class SlurmCluster:
     def __init__(self, root, nodes=1):
         self.root = Path(root)
-        self.nodes = [f"node{i + 1}" for i in range(nodes)]
+        # One node is this machine under its own name, which resolves here as a compute node's would.
+        self.nodes = [f"node{i + 1}" for i in range(nodes)] if nodes > 1 else [socket.gethostname().split(".")[0]]
         self.conf = self.root / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self.pids = []
@@ -90,7 +91,7 @@ class SlurmCluster:
         tag = f"{os.getpid() % 100000}"
         self.ns = {"ctl": f"slt{tag}c", **{n: f"slt{tag}{n[-1]}" for n in self.nodes}} if nodes > 1 else {}
         self.addr = ({"ctl": f"{SUBNET}.1", **{n: f"{SUBNET}.{10 + i + 1}" for i, n in enumerate(self.nodes)}}
-                     if nodes > 1 else {"ctl": "127.0.0.1", "node1": "127.0.0.1"})
+                     if nodes > 1 else {"ctl": "127.0.0.1", self.nodes[0]: "127.0.0.1"})
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self):

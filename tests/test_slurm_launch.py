@@ -31,7 +31,8 @@ def captured(name):
 
 
 def plan(argv, env):
-    return slurm_launch.plan(slurm_launch.parse_args(argv), env)
+    """The launcher's decisions for this task (captured host names need not resolve here)."""
+    return slurm_launch.plan(slurm_launch.parse_args(argv), env, resolve=False)
 
 
 def flag(cmd, name):
@@ -157,6 +158,13 @@ def test_dry_run_prints_the_command_and_starts_nothing(tmp_path):
     assert out.stdout.startswith("[node 1 task 1] accelerate launch --config_file accelerate_configs/2gpu.yaml "
                                  "--num_machines 2 --machine_rank 1 --num_processes 4 --main_process_ip node1 ")
     assert out.stdout.rstrip().endswith("recipes/mnist.py --epochs 1")
+
+
+def test_a_first_host_that_does_not_resolve_is_refused():
+    env = {**os.environ, **captured("step_1node_1task"), "SLURM_STEP_NODELIST": "no-such-host-x7"}
+    out = subprocess.run([sys.executable, "launch/slurm_launch.py", CONFIG, RECIPE], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot resolve the job's first host 'no-such-host-x7'" in out.stderr
 
 
 def test_outside_slurm_exits_before_anything_starts():
