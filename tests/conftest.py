@@ -40,6 +40,13 @@ def free_port():
         return s.getsockname()[1]
 
 
+def skip_unless_ci(reason):
+    """Skip a test that this machine cannot run; under CI (CI=true) that is a failure, never a silent skip."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run this test: {reason}")
+    pytest.skip(reason)
+
+
 def load_yaml(config_name):
     with open(CONFIG_DIR / config_name) as f:
         return yaml.safe_load(f)

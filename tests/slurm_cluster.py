@@ -22,6 +22,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from conftest import free_port
+
 SLURM_BINARIES = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol")
 
 
@@ -33,12 +35,6 @@ def unavailable_reason():
     if missing:
         return f"missing {', '.join(missing)} (apt-get install slurmctld slurmd slurm-client munge)"
     return None
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SLURM_CONF = """\
@@ -108,12 +104,11 @@ class SlurmCluster:
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        self.ctld_port = _free_port()
         controller = "ctlhost" if self.ns else socket.gethostname().split(".")[0]
         node_lines = "\n".join(f"NodeName={n} NodeAddr={self.addr[n]} CPUs={os.cpu_count()} Gres=gpu:2 "
                                f"State=UNKNOWN" for n in self.nodes)
         self.conf.write_text(SLURM_CONF.format(controller=controller, controller_addr=self.addr["ctl"],
-                                               root=self.root, ctld_port=self.ctld_port, slurmd_port=_free_port(),
+                                               root=self.root, ctld_port=free_port(), slurmd_port=free_port(),
                                                node_lines=node_lines))
         (self.root / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # 22.05 refuses other mounts
         (self.root / "gres.conf").write_text("Name=gpu File=/dev/tty[0-1]\n")  # 2 fake GPUs per node

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DATA_ARGS, REPO, cpu_route
+from conftest import DATA_ARGS, REPO, cpu_route, skip_unless_ci
 
 sys.path.insert(0, str(REPO / "launch"))
 import slurm_launch  # noqa: E402
@@ -128,7 +128,7 @@ def test_scontrol_that_fails_falls_back(monkeypatch, tmp_path):
     ({"SLURM_GPUS_ON_NODE": "0", "SLURM_STEP_GPUS": None, "SLURM_JOB_GPUS": None, "CUDA_VISIBLE_DEVICES": None},
      "GPU config (MULTI_GPU) but Slurm gave this task no GPU"),
 ])
-def test_each_error_is_one_clear_message(change, message, capsys):
+def test_each_error_is_one_clear_message(change, message):
     env = captured("step_1node_1task")
     for key, value in change.items():
         if value is None:
@@ -198,9 +198,7 @@ def test_per_gpu_mode_needs_one_task_per_gpu():
 def _cluster(tmp_path_factory, nodes):
     reason = unavailable_reason()
     if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must run the real-Slurm tests: {reason}")
-        pytest.skip(reason)
+        skip_unless_ci(reason)
     cluster = SlurmCluster(tmp_path_factory.mktemp(f"slurm{nodes}"), nodes=nodes)
     cluster.start()
     return cluster
@@ -327,8 +325,6 @@ def test_shell_scripts_are_clean():
         assert "set -euo pipefail" in text, script
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
     if shutil.which("shellcheck") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI installs shellcheck (.ci/run); it is missing")
-        pytest.skip("shellcheck not installed (apt-get install shellcheck)")
+        skip_unless_ci("shellcheck not installed (apt-get install shellcheck; .ci/run does)")
     out = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
