@@ -15,19 +15,31 @@ the config into the environment the recipe reads, and the ranks come from
 SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS.
 
 `--dry-run` prints the command (and, per-gpu, the rank variables) and exits.
+
+Stop signals (Slurm's `--signal=USR1@120`, a preemption's SIGTERM) must reach the
+training processes, which then checkpoint and exit with code 75. Per-gpu, the task
+is the recipe itself. Per-node, torchrun (inside accelerate launch) sits in between:
+it dies on SIGUSR1 unless told otherwise and reports any worker failure as exit
+code 1. So this launcher stays as the task's parent, passes SIGUSR1/SIGUSR2/SIGTERM/
+SIGINT on to the training processes, keeps torchrun deaf to SIGUSR1/SIGUSR2, and
+turns the recipes' "stopped" marker back into exit code 75 for the sbatch script.
 """
 
 import argparse
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import yaml
 
 GPU_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP")
+EXIT_STOPPED = 75  # the recipes' code for "stopped on a signal, checkpoint saved" (recipes/checkpointing.py)
+FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
 
 class LaunchError(Exception):
@@ -203,8 +215,53 @@ def main(argv=None):
     print(f"slurm_launch: {socket.gethostname()} node {os.environ.get('SLURM_NODEID')} task "
           f"{os.environ.get('SLURM_PROCID')}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    # exec: Slurm's signals and exit status go straight to accelerate / the recipe.
-    os.execvpe(cmd[0], cmd, {**os.environ, **extra_env})
+    if args.mode == "per-gpu":  # exec: Slurm's signals and exit status go straight to the recipe
+        os.execvpe(cmd[0], cmd, {**os.environ, **extra_env})
+    return run_accelerate_launch(cmd, {**os.environ, **extra_env})
+
+
+def children(pid):
+    """PIDs whose parent is `pid`: the training processes torchrun started."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found
+
+
+def run_accelerate_launch(cmd, env):
+    marker_dir = tempfile.mkdtemp(prefix="slurm_launch.")
+    env = {**env, "RECIPE_STOP_MARKER": os.path.join(marker_dir, "stopped")}
+    # torchrun's own grace period after it passes a SIGTERM on (default 30 s) is too short for
+    # the checkpoint of a large model.
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
+    # Ignored signals stay ignored across exec: torchrun survives SIGUSR1/SIGUSR2 (Slurm sends
+    # them to every process of the step); the recipes install their own handlers.
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+    child = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame):
+        for pid in children(child.pid):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    returncode = child.wait()
+    stopped = os.path.exists(env["RECIPE_STOP_MARKER"])
+    shutil.rmtree(marker_dir, ignore_errors=True)
+    if returncode != 0 and stopped:
+        print(f"slurm_launch: training stopped on a signal after saving a checkpoint (exit {EXIT_STOPPED})",
+              file=sys.stderr, flush=True)
+        return EXIT_STOPPED
+    return returncode if returncode >= 0 else 128 - returncode
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchvision.datasets import MNIST
 from tqdm import tqdm
 
+from checkpointing import EXIT_STOPPED, Checkpointer, GracefulStop, add_checkpoint_args, report_stopped
 from synthetic_mnist import write_synthetic_mnist
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -83,6 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--output-dir", default="runs/mnist", help="summary.json, metrics.jsonl, model.safetensors")
     p.add_argument("--timeout", type=int, default=300,
                    help="seconds a collective waits for a missing rank before the run fails")
+    add_checkpoint_args(p)
     return p.parse_args(argv)
 
 
@@ -196,6 +198,7 @@ def held_parameters(model):
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
+    stopper = GracefulStop(args.stop_signals)  # first: a preemption signal may come during start-up
     accelerator = Accelerator(
         gradient_accumulation_steps=args.grad_accum,
         # split_batches: the loader yields GLOBAL batches and each process takes its slice.
@@ -223,7 +226,7 @@ def main(argv=None):
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     lr = args.lr * (world if args.scale_lr else 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
+    optimizer = adamw = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
     steps_per_epoch = len(train_loader) // args.grad_accum
     total_steps = steps_per_epoch * args.epochs
     total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
@@ -243,6 +246,10 @@ def main(argv=None):
     while hasattr(inner, "optimizer"):
         inner = inner.optimizer
     optimizer_name = type(inner).__name__
+    if inner is not adamw:
+        # Optimizer offload: prepare() replaced our AdamW by DeepSpeedCPUAdam, and the scheduler
+        # would go on setting the learning rate of an AdamW that never steps. Point it at the real one.
+        scheduler.scheduler.optimizer = optimizer
     input_dtype = next(model.parameters()).dtype  # bf16 under DeepSpeed bf16, else fp32 (autocast casts)
     # DeepSpeed and FSDP compute with bf16 weights but leave the buffers in fp32, and
     # BatchNorm refuses running statistics of another dtype than its weights.
@@ -255,20 +262,51 @@ def main(argv=None):
         f"ZeRO stage {zero_stage or '-'} | optimizer {optimizer_name} | global batch {args.batch_size} "
         f"({args.grad_accum} x {micro_batch // world} per process) | {total_steps} steps", flush=True)
 
+    # Resume before opening the logs: a requeued job continues from its newest complete checkpoint.
+    checkpointer = Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={
+        "data_source": source, "train_samples": len(train_x), "total_steps": total_steps,
+        **{k: getattr(args, k) for k in ("batch_size", "grad_accum", "seed", "lr", "scale_lr", "weight_decay",
+                                         "max_grad_norm", "no_batchnorm", "sync_bn")}})
+    progress = {"epoch": 0, "step_in_epoch": 0, "step": 0, "epochs_run": 0, "first_loss": None,
+                "final_loss": None, "epoch_loss": 0.0, "data_time": 0.0, "compute_time": 0.0, "train_time": 0.0}
+    progress.update(checkpointer.resume(args.resume) or {})
+    step, first_loss, final_loss = progress["step"], progress["first_loss"], progress["final_loss"]
+    data_time, compute_time = progress["data_time"], progress["compute_time"]
     os.makedirs(args.output_dir, exist_ok=True)
-    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w") if accelerator.is_main_process else None
-    bar = tqdm(total=total_steps, disable=not (accelerator.is_main_process and sys.stdout.isatty()))
-    step, epochs_run, first_loss, final_loss = 0, 0, None, float("nan")
-    data_time = compute_time = 0.0
-    window = dict(data=0.0, compute=0.0, micro=0, loss=torch.zeros((), device=accelerator.device))
+    metrics_file = None
+    if accelerator.is_main_process:  # keep the log of the steps the checkpoint holds, drop those it lost
+        path = os.path.join(args.output_dir, "metrics.jsonl")
+        kept = [line for line in open(path) if json.loads(line)["step"] <= step] if step and os.path.exists(path) else []
+        metrics_file = open(path, "w")
+        metrics_file.writelines(kept)
+    bar = tqdm(total=total_steps, initial=step, disable=not (accelerator.is_main_process and sys.stdout.isatty()))
+    zero = lambda: torch.zeros((), dtype=torch.float64, device=accelerator.device)  # noqa: E731
+    window = dict(data=0.0, compute=0.0, micro=0, loss=zero(), fingerprint=zero())
+    accuracy, stopping = None, False
     train_start = time.perf_counter()
-    for epoch in range(args.epochs):
+
+    def save_checkpoint(epoch, step_in_epoch, epoch_loss):
+        # Collective: the running loss is per rank, the checkpoint keeps its mean over ranks.
+        checkpointer.save(step, {
+            **progress, "epoch": epoch, "step_in_epoch": step_in_epoch, "step": step, "first_loss": first_loss,
+            "final_loss": final_loss, "epoch_loss": accelerator.reduce(epoch_loss, "mean").item(),
+            "data_time": data_time, "compute_time": compute_time,
+            "train_time": progress["train_time"] + time.perf_counter() - train_start})
+
+    for epoch in range(progress["epoch"], args.epochs):
         if step >= total_steps:
             break
-        epoch_loss, epoch_micro, epochs_run = torch.zeros((), device=accelerator.device), 0, epochs_run + 1
+        # The shuffle depends on (seed, epoch) only, so a resumed run sees the same order, and
+        # skip_first_batches fast-forwards through the part of this epoch the checkpoint holds.
+        train_loader.set_epoch(epoch)
+        done = progress["step_in_epoch"] if epoch == progress["epoch"] else 0
+        loader = accelerator.skip_first_batches(train_loader, done * args.grad_accum) if done else train_loader
+        epoch_loss = torch.tensor(progress["epoch_loss"] if done else 0.0, dtype=torch.float64, device=accelerator.device)
+        epoch_micro, step_in_epoch = done * args.grad_accum, done
+        progress["epochs_run"] += 0 if done else 1
         t0 = time.perf_counter()
         # islice: stop at a whole number of optimizer steps, so --grad-accum never makes a short last step.
-        for images, labels in itertools.islice(train_loader, steps_per_epoch * args.grad_accum):
+        for images, labels in itertools.islice(loader, (steps_per_epoch - done) * args.grad_accum):
             t1 = time.perf_counter()  # time spent blocked in the loader: waiting for data
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(to_input(images, input_dtype)).float(), labels)
@@ -281,6 +319,9 @@ def main(argv=None):
             epoch_loss += loss.detach()
             epoch_micro += 1
             window["loss"] += loss.detach()
+            # Changes with the exact samples and their order on this rank: tests compare it across resumes.
+            window["fingerprint"] += (labels.double() * torch.arange(1, len(labels) + 1, device=labels.device)).sum() \
+                + images.double().mean()
             t2 = time.perf_counter()
             window["data"] += t1 - t0
             window["compute"] += t2 - t1
@@ -288,35 +329,58 @@ def main(argv=None):
             t0 = t2
             if not accelerator.sync_gradients:
                 continue
-            step += 1
+            step, step_in_epoch = step + 1, step_in_epoch + 1
             bar.update(1)
             if step % args.log_every == 0 or step == total_steps or step == 1:
                 mean_loss = accelerator.reduce(window["loss"] / window["micro"], "mean").item()
                 first_loss = mean_loss if first_loss is None else first_loss
                 elapsed = window["data"] + window["compute"]
-                record = {"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
+                record = {"step": step, "epoch": epoch, "loss": mean_loss, "lr": optimizer.param_groups[0]["lr"],
                           "samples_per_s": window["micro"] * micro_batch / elapsed,
                           "data_ms": 1000 * window["data"] / window["micro"],
-                          "compute_ms": 1000 * window["compute"] / window["micro"]}
+                          "compute_ms": 1000 * window["compute"] / window["micro"],
+                          "rank_fingerprints": accelerator.gather(window["fingerprint"].view(1)).tolist()}
                 if metrics_file:
                     metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
                 line = (f"epoch {epoch} step {step}/{total_steps} | loss {mean_loss:.4f} | "
                         f"{record['samples_per_s']:.0f} samples/s | per micro-batch: data {record['data_ms']:.1f} ms, "
                         f"compute {record['compute_ms']:.1f} ms")
                 tqdm.write(line) if not bar.disable else log(line, flush=True)
                 data_time, compute_time = data_time + window["data"], compute_time + window["compute"]
-                window.update(data=0.0, compute=0.0, micro=0, loss=torch.zeros((), device=accelerator.device))
-            if step >= total_steps:
+                window.update(data=0.0, compute=0.0, micro=0, loss=zero(), fingerprint=zero())
+            stopping = stopper.agreed(accelerator)  # every rank, every step: nobody waits for a rank that left
+            if args.checkpoint_dir and (stopping or (args.checkpoint_every and step % args.checkpoint_every == 0)):
+                save_checkpoint(epoch, step_in_epoch, epoch_loss)
+            if stopping or step >= total_steps:
                 break
+        if stopping:
+            break
         final_loss = accelerator.reduce(epoch_loss / max(epoch_micro, 1), "mean").item()
         accuracy, test_loss, test_count = evaluate(model, test_loader, accelerator, input_dtype)
         log(f"epoch {epoch} done | train loss {final_loss:.4f} | test loss {test_loss:.4f} | "
             f"test accuracy {100 * accuracy:.2f}% on {test_count} images", flush=True)
-    train_time = time.perf_counter() - train_start
+        finished = step_in_epoch == steps_per_epoch
+        if args.checkpoint_dir:
+            save_checkpoint(epoch + finished, 0 if finished else step_in_epoch, zero() if finished else epoch_loss)
+        stopping = stopper.agreed(accelerator)
+        if stopping:
+            break
+    train_time = progress["train_time"] + time.perf_counter() - train_start
     bar.close()
-    if step == 0:  # --epochs 0 (or --max-steps 0 on an empty set): evaluate the initial model only
+    if stopping:  # exit code 75 tells a job script "requeue me", so only when there is something to resume
+        log(f"stopped by {stopper.received or 'a signal to another rank'} after step {step}: "
+            + (f"checkpoint saved in {args.checkpoint_dir}, run the same command again to resume (exit code "
+               f"{EXIT_STOPPED})" if args.checkpoint_dir else "no --checkpoint-dir was given, so this progress is lost"),
+            flush=True)
+        if args.checkpoint_dir:
+            report_stopped(accelerator)
+        del model, optimizer, scheduler, train_loader, test_loader  # see the end of main
+        accelerator.free_memory()
+        accelerator.end_training()
+        return EXIT_STOPPED if args.checkpoint_dir else 1
+    if accuracy is None:  # --epochs 0, or resumed from the final checkpoint: evaluate the model as it is
         accuracy, test_loss, test_count = evaluate(model, test_loader, accelerator, input_dtype)
-
     # Every rank takes part: under ZeRO-3 and FSDP the full weights are gathered from all shards.
     state_dict = accelerator.get_state_dict(model)
     per_rank = accelerator.gather(torch.tensor([peak_memory_mb(accelerator), *held_parameters(model)],
@@ -327,7 +391,8 @@ def main(argv=None):
         summary = {
             "recipe": "mnist", "distributed_type": accelerator.distributed_type.value, "world_size": world,
             "mixed_precision": accelerator.mixed_precision, "deepspeed_stage": zero_stage,
-            "optimizer": optimizer_name, "data_source": source, "steps": step, "epochs": epochs_run,
+            "optimizer": optimizer_name, "data_source": source, "steps": step, "epochs": progress["epochs_run"],
+            "resumed_from_step": progress["step"] or None,
             "first_loss": first_loss, "final_loss": final_loss, "test_loss": test_loss,
             "test_accuracy": accuracy, "test_samples": test_count,
             "samples_per_s": step * args.batch_size / train_time if step else 0.0,
@@ -353,7 +418,8 @@ def main(argv=None):
     del model, optimizer, scheduler, train_loader, test_loader
     accelerator.free_memory()
     accelerator.end_training()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -34,6 +34,12 @@ TRAIN_SIZE, TEST_SIZE = 2000, 501
 DATA_ARGS = ["--synthetic-train-size", str(TRAIN_SIZE), "--synthetic-test-size", str(TEST_SIZE)]
 
 
+# The resume tests' training (fp32 for exact comparisons): 2 epochs of 10 optimizer steps, a
+# checkpoint every 4 steps and at each epoch end, all kept.
+FP32 = ("--mixed_precision", "no")
+TRAINING = ("--epochs", "2", "--batch-size", "200", "--log-every", "1", "--checkpoint-every", "4", "--keep-last", "0")
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,6 +72,14 @@ def cpu_route(config_name):
         args += ["--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
                  "--num_processes", "2"]
     return args, env
+
+
+def launch_command(config, data_dir, out_dir, *recipe_args, launch_args=(), recipe="recipes/mnist.py"):
+    """(command, environment) of an `accelerate launch` of `recipe` under `config` on this machine."""
+    route_args, route_env = cpu_route(config)
+    cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), *route_args, *launch_args,
+           recipe, "--data-dir", str(data_dir), "--output-dir", str(out_dir), *DATA_ARGS, *recipe_args]
+    return cmd, route_env
 
 
 @dataclass
@@ -126,9 +140,8 @@ def launch(data_dir, tmp_path_factory):
         key = (config, recipe_args, tuple(launch_args), tuple(sorted((env or {}).items())), recipe)
         if key not in cache:
             out_dir = tmp_path_factory.mktemp(Path(config).stem)
-            route_args, route_env = cpu_route(config)
-            cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), *route_args, *launch_args,
-                   recipe, "--data-dir", str(data_dir), "--output-dir", str(out_dir), *DATA_ARGS, *recipe_args]
+            cmd, route_env = launch_command(config, data_dir, out_dir, *recipe_args, launch_args=launch_args,
+                                            recipe=recipe)
             returncode, output = run_command(cmd, env={**route_env, **(env or {})}, timeout=timeout)
             cache[key] = Run(returncode, output, out_dir)
         run = cache[key]
@@ -138,3 +151,18 @@ def launch(data_dir, tmp_path_factory):
         return run
 
     return _launch
+
+
+@pytest.fixture(scope="session")
+def reference(launch, tmp_path_factory):
+    """reference(config, *extra) -> (Run, checkpoint dir) of the uninterrupted run."""
+    dirs = {}
+
+    def _reference(config, *extra):
+        key = (config, extra)
+        if key not in dirs:
+            dirs[key] = tmp_path_factory.mktemp("ckpt-" + config.split(".")[0])
+        ckpt = dirs[key]
+        return launch(config, *TRAINING, *extra, "--checkpoint-dir", str(ckpt), launch_args=FP32), ckpt
+
+    return _reference

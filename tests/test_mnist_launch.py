@@ -49,6 +49,10 @@ def test_config_really_trains(launch, config):
     # Offload swaps the optimizer; the summary must say which one really ran.
     assert s["optimizer"] == ("DeepSpeedCPUAdam" if "offload" in config else "AdamW")
     assert s["samples_per_s"] > 0 and 0 <= s["data_fraction"] < 1 and s["peak_memory_mb"] > 0
+    # The logged learning rate is the one the stepping optimizer holds: it must follow the cosine
+    # decay under every config (with offload it once stayed at its peak).
+    lrs = [m["lr"] for m in run.metrics]
+    assert lrs[0] == pytest.approx(1e-3, rel=0.01) and lrs[-1] < 0.01 * lrs[0], lrs
     assert run.output.rstrip().splitlines()[-1].startswith("SUMMARY ") or "SUMMARY " in run.output
 
 

@@ -5,13 +5,16 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import DATA_ARGS, REPO, cpu_route, skip_unless_ci
+from conftest import DATA_ARGS, REPO, TRAINING, Run, cpu_route, skip_unless_ci
+from test_checkpoint_resume import assert_identical_params, assert_same_steps
 
 sys.path.insert(0, str(REPO / "launch"))
 import slurm_launch  # noqa: E402
@@ -218,10 +221,10 @@ def two_nodes(tmp_path_factory):
     cluster.stop()
 
 
-def submit(cluster, sbatch_args, launch_args, data_dir, out_dir, env=None, wait=True):
+def submit(cluster, sbatch_args, launch_args, data_dir, out_dir, env=None, wait=True,
+           training=("--max-steps", "6", "--log-every", "1")):
     """sbatch a template from the repo root; return (state, log text, job id)."""
-    recipe_args = ["--data-dir", str(data_dir), "--output-dir", str(out_dir), *DATA_ARGS,
-                   "--max-steps", "6", "--log-every", "1"]
+    recipe_args = ["--data-dir", str(data_dir), "--output-dir", str(out_dir), *DATA_ARGS, *training]
     log = out_dir.parent / f"{out_dir.name}.log"
     config = next((a for a in launch_args if a.endswith(".yaml")), "")
     route_env = cpu_route(Path(config).name)[1] if (REPO / config).is_file() else {}
@@ -328,3 +331,102 @@ def test_shell_scripts_are_clean():
         skip_unless_ci("shellcheck not installed (apt-get install shellcheck; .ci/run does)")
     out = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
+
+
+# --- preemption and time limits: the templates requeue a stopped job, which resumes ------------------
+
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
+
+
+def wait_final(cluster, job, timeout=500):
+    """Wait through requeues (REQUEUED, PENDING again) until the job really ends."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state, fields = cluster.job_state(job)
+        if state in FINAL_STATES:
+            return state, fields
+        time.sleep(0.5)
+    cluster.run(["scancel", job])
+    raise AssertionError(f"job {job} did not end within {timeout}s (last state {state})")
+
+
+def recipe_processes(marker):
+    """PIDs of the training processes (not launchers) whose command line holds `marker`."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if marker in argv and any(a.endswith("mnist.py") for a in argv) and "launch" not in argv \
+                and not any(a.endswith("slurm_launch.py") for a in argv):
+            pids.append(int(entry))
+    return pids
+
+
+def pending_signals(pid):
+    status = Path(f"/proc/{pid}/status").read_text()
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    return int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+
+
+def wait_for(condition, what, timeout=300):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"no {what} after {timeout}s"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir, tmp_path, reference):
+    """Slurm signals every process of the step on both nodes; the job checkpoints, requeues itself,
+    resumes and ends with exactly the weights of an uninterrupted run."""
+    ref, _ = reference("2gpu.yaml")  # 2 processes, fp32, the same training
+    config = tmp_path / "2gpu_fp32.yaml"  # the shipped 2-GPU config in fp32, for a bit-exact comparison
+    config.write_text((REPO / "accelerate_configs" / "2gpu.yaml").read_text().replace("mixed_precision: bf16",
+                                                                                        "mixed_precision: 'no'"))
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    job, log = submit(two_nodes, ["launch/multinode.sbatch", "--processes-per-node=1"], [str(config), RECIPE],
+                      data_dir, out, env={"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(REPO / "tests" / "cpu_shim")},
+                      wait=False, training=(*TRAINING, "--checkpoint-dir", str(ckpt)))
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5
+             and len(recipe_processes(str(out))) == 2, "step 5 on both nodes")
+    # Freeze the training so the signal lands mid-training, not after it ended.
+    workers = recipe_processes(str(out))
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    assert two_nodes.run(["scancel", "--signal=USR1", job]).returncode == 0
+    usr1 = 1 << (signal.SIGUSR1 - 1)
+    wait_for(lambda: all(pending_signals(pid) & usr1 for pid in workers), "SIGUSR1 delivered", timeout=60)
+    for pid in workers:
+        os.kill(pid, signal.SIGCONT)
+    state, fields = wait_final(two_nodes, job)
+    text = log.read_text()
+    assert state == "COMPLETED", text
+    assert fields["Restarts"] == "1", fields
+    assert "checkpoint saved, requeueing" in text and "stopped by SIGUSR1" in text
+    assert "run 2 on" in text and f"resumed from {ckpt}" in text
+    resumed = Run(0, text, out)
+    assert resumed.summary["world_size"] == 2 and resumed.summary["steps"] == 20
+    assert_identical_params(ref.params(), resumed.params())
+    assert_same_steps(ref.metrics, resumed.metrics, after_step=0)
+
+
+@pytest.mark.slow
+def test_time_limit_warning_requeues_until_done(one_node, data_dir, tmp_path):
+    """--time=2 with the warning 90 s before: Slurm checks time limits every 30 s, so the signal
+    comes 30-60 s into each run. The training needs more than one run, and finishes through
+    requeues, each run resuming the last."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    training = ("--epochs", "40", "--batch-size", "200", "--log-every", "20", "--checkpoint-dir", str(ckpt))
+    job, log = submit(one_node, ["--gres=none", "--time=2", "--signal=USR1@90", "launch/single_node.sbatch",
+                                 "--processes-per-node", "1"], [CONFIG, RECIPE], data_dir, out, wait=False,
+                      training=training)
+    state, fields = wait_final(one_node, job, timeout=900)
+    text = log.read_text()
+    assert state == "COMPLETED", text
+    assert int(fields["Restarts"]) >= 1, fields
+    assert text.count("stopped by SIGUSR1") == int(fields["Restarts"]), text
+    assert text.count(f"resumed from {ckpt}") == int(fields["Restarts"])
+    assert json.loads((out / "summary.json").read_text())["steps"] == 400

@@ -19,6 +19,11 @@ nothing else:
    CPU module that holds one. The shim gives it a CPU path that computes the
    same global batch statistics with an autograd-aware all-reduce, and lifts
    DDP's check, so `--sync-bn` can be tested for real on CPU processes.
+
+3. Only when TEST_SLOW_SAVE_SECONDS is set (one test): a slow file system.
+   Accelerator.save_state into a directory whose name contains TEST_SLOW_SAVE_MATCH
+   prints "TEST-SHIM: slow save" after writing its files and then sleeps, so a
+   test can kill the run while that checkpoint is half-made.
 """
 
 import os
@@ -73,7 +78,27 @@ def _sync_batchnorm_on_cpu():
     torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle = lambda self, module: None
 
 
+def _slow_save(seconds):
+    import time
+
+    from accelerate import Accelerator
+
+    save_state = Accelerator.save_state
+
+    def slow_save_state(self, output_dir=None, **kwargs):
+        result = save_state(self, output_dir, **kwargs)
+        if os.environ.get("TEST_SLOW_SAVE_MATCH", "") not in str(output_dir):
+            return result
+        print(f"TEST-SHIM: slow save in {output_dir}", flush=True)
+        time.sleep(seconds)
+        return result
+
+    Accelerator.save_state = slow_save_state
+
+
 def _install():
+    if os.environ.get("TEST_SLOW_SAVE_SECONDS"):
+        _slow_save(float(os.environ["TEST_SLOW_SAVE_SECONDS"]))
     if "LOCAL_RANK" not in os.environ:  # not a worker started by accelerate launch / torchrun
         return
     import torch
