@@ -244,8 +244,10 @@ def run_accelerate_launch(cmd, env):
     for sig in (signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     child = subprocess.Popen(cmd, env=env)
+    received = []
 
     def forward(signum, frame):
+        received.append(signum)
         for pid in children(child.pid):
             try:
                 os.kill(pid, signum)
@@ -254,7 +256,15 @@ def run_accelerate_launch(cmd, env):
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    returncode = child.wait()
+    while True:
+        try:
+            returncode = child.wait(timeout=5)
+            break
+        except subprocess.TimeoutExpired:
+            # A training process still importing torch ignores SIGUSR1 (inherited from here) until
+            # the recipe installs its handler: repeat a stop request until everything has ended.
+            if received and received[-1] != signal.SIGINT:
+                forward(received[-1], None)
     stopped = os.path.exists(env["RECIPE_STOP_MARKER"])
     shutil.rmtree(marker_dir, ignore_errors=True)
     if returncode != 0 and stopped:

@@ -190,7 +190,8 @@ class Checkpointer:
                 error = str(exc)
         self._agree((None, error))
         self.last_saved_step = step
-        acc.print(f"checkpoint saved: {final}", flush=True)
+        if acc.is_main_process:
+            print(f"checkpoint saved: {final}", flush=True)
 
     def resume(self, spec):
         """Collective. Load the checkpoint `spec` names and return its training state, or None to start fresh."""
@@ -220,7 +221,8 @@ class Checkpointer:
                                f"fresh with --resume none or another --checkpoint-dir."))
         acc.load_state(path)
         self.last_saved_step = manifest["step"]
-        acc.print(f"resumed from {path} (step {manifest['step']}, written by {saved['world_size']} processes)",
+        if acc.is_main_process:
+            print(f"resumed from {path} (step {manifest['step']}, written by {saved['world_size']} processes)",
                   flush=True)
         return manifest["train_state"]
 

@@ -7,6 +7,9 @@
         recipes/mnist.py                                                          # 2 processes on a CPU
 
 Swapping the config file is the whole change; Slurm users see launch/.
+Checkpoints and stopping (README "Stopping and resuming"): add --checkpoint-dir ckpt; a
+stop signal (SIGUSR1/SIGTERM) saves and exits 75, and the same command again resumes
+exactly where it stopped, mid-epoch included.
 
 The model is the ConvNet of the HPC courses (two 5x5 conv + BatchNorm + max-pool
 blocks, one linear layer). `--batch-size` is the GLOBAL batch: accelerate splits
@@ -207,7 +210,12 @@ def main(argv=None):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
     )
     check_launch(accelerator)
-    world, log = accelerator.num_processes, accelerator.print
+    world = accelerator.num_processes
+
+    def log(*message, **kwargs):  # accelerator.print prints once per node; progress once per run
+        if accelerator.is_main_process:
+            print(*message, **kwargs)
+
     micro_batch = args.batch_size // args.grad_accum  # global samples per forward pass
     if args.batch_size % (world * args.grad_accum) or args.eval_batch_size % world:
         good = world * args.grad_accum

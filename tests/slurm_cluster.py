@@ -13,6 +13,10 @@ SLURM_GPUS_ON_NODE, SLURM_STEP_GPUS and CUDA_VISIBLE_DEVICES as on a GPU node):
     a bind mount); jobs inherit them, so a launcher that wrongly used 127.0.0.1 would
     fail as on a real cluster. Namespaces are entered with `nsenter --net`, because
     `ip netns exec` remounts /sys and slurmd then finds no cgroup filesystem.
+
+One setting differs from a default cluster: cred_expire=15 (default 120). A requeued
+job may only start again cred_expire + 1 s after the requeue, and the requeue tests
+would otherwise wait 2 minutes per requeue.
 """
 
 import os
@@ -46,7 +50,7 @@ SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge/munge.socket
+AuthInfo=socket={root}/munge/munge.socket,cred_expire=15
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
