@@ -82,6 +82,20 @@ def launch_command(config, data_dir, out_dir, *recipe_args, launch_args=(), reci
     return cmd, route_env
 
 
+def recipe_processes(marker):
+    """PIDs of the training processes (not launchers) whose command line holds `marker`."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        # python -u recipes/mnist.py ...: not the batch shell, srun, slurm_launch or accelerate launch
+        if marker in argv and Path(argv[0]).name.startswith("python") and any(a.endswith("mnist.py") for a in argv[1:3]):
+            pids.append(int(entry))
+    return pids
+
+
 @dataclass
 class Run:
     returncode: int

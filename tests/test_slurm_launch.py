@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DATA_ARGS, REPO, TRAINING, Run, cpu_route, skip_unless_ci
+from conftest import DATA_ARGS, REPO, TRAINING, Run, cpu_route, recipe_processes, skip_unless_ci
 from test_checkpoint_resume import assert_identical_params, assert_same_steps
 
 sys.path.insert(0, str(REPO / "launch"))
@@ -369,20 +369,6 @@ def wait_final(cluster, job, timeout=500):
         time.sleep(0.5)
     cluster.run(["scancel", job])
     raise AssertionError(f"job {job} did not end within {timeout}s (last state {state})")
-
-
-def recipe_processes(marker):
-    """PIDs of the training processes (not launchers) whose command line holds `marker`."""
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        # python -u recipes/mnist.py ...: not the batch shell, srun, slurm_launch or accelerate launch
-        if marker in argv and Path(argv[0]).name.startswith("python") and any(a.endswith("mnist.py") for a in argv[1:3]):
-            pids.append(int(entry))
-    return pids
 
 
 def pending_signals(pid):

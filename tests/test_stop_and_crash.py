@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import FP32, REPO, TRAINING, Run, launch_command
+from conftest import FP32, REPO, TRAINING, Run, launch_command, recipe_processes
 from test_checkpoint_resume import assert_identical_params, assert_same_steps
 
 pytestmark = pytest.mark.slow
@@ -36,16 +36,7 @@ class Background:
 
     def workers(self):
         """PIDs of the recipe processes (not the launcher) of this run."""
-        pids = []
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    argv = f.read().decode(errors="replace").split("\0")
-            except (OSError, ValueError):
-                continue
-            if self.marker in argv and "launch" not in argv and any(a.endswith("mnist.py") for a in argv):
-                pids.append(int(entry))
-        return pids
+        return recipe_processes(self.marker)
 
     def leftovers(self):
         """Every live process of this run, launcher included (zombies do not count)."""
