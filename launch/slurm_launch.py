@@ -234,8 +234,10 @@ def children(pid):
 
 
 def run_accelerate_launch(cmd, env):
-    marker_dir = tempfile.mkdtemp(prefix="slurm_launch.")
-    env = {**env, "RECIPE_STOP_MARKER": os.path.join(marker_dir, "stopped")}
+    marker_dir = None
+    if not env.get("RECIPE_STOP_MARKER"):  # the sbatch templates set a job-wide one on shared storage
+        marker_dir = tempfile.mkdtemp(prefix="slurm_launch.")
+        env = {**env, "RECIPE_STOP_MARKER": os.path.join(marker_dir, "stopped")}
     # torchrun's own grace period after it passes a SIGTERM on (default 30 s) is too short for
     # the checkpoint of a large model.
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
@@ -266,7 +268,8 @@ def run_accelerate_launch(cmd, env):
             if received and received[-1] != signal.SIGINT:
                 forward(received[-1], None)
     stopped = os.path.exists(env["RECIPE_STOP_MARKER"])
-    shutil.rmtree(marker_dir, ignore_errors=True)
+    if marker_dir:
+        shutil.rmtree(marker_dir, ignore_errors=True)
     if returncode != 0 and stopped:
         print(f"slurm_launch: training stopped on a signal after saving a checkpoint (exit {EXIT_STOPPED})",
               file=sys.stderr, flush=True)

@@ -65,7 +65,8 @@ class GracefulStop:
 
 
 def report_stopped(accelerator):
-    """Leave the marker launch/slurm_launch.py asks for: torchrun turns a worker's exit code 75 into 1."""
+    """Leave the marker launch/ asks for: torchrun turns a worker's exit code 75 into 1, and srun may report
+    another task's exit status."""
     marker = os.environ.get("RECIPE_STOP_MARKER")
     if marker and accelerator.is_local_main_process:
         with open(marker, "w") as f:
