@@ -25,6 +25,8 @@ import sys
 import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 
+from common import engine, fail, printer
+
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on a signal after saving a checkpoint; run the same command again
 MANIFEST = "checkpoint.json"
 NAME = re.compile(r"^step-(\d{8})$")
@@ -46,13 +48,25 @@ def add_checkpoint_args(parser):
                             f"with code {EXIT_STOPPED} (comma-separated; '' to disable)")
 
 
+def _signal_numbers(names):
+    return [getattr(signal, n if n.startswith("SIG") else "SIG" + n)
+            for n in filter(None, (n.strip().upper() for n in names.split(",")))]
+
+
+def ignore_stop_signals(names, worker_id=None):
+    """DataLoader worker_init_fn: Slurm signals every process of a step, DataLoader workers included;
+    only the training process acts on a stop signal, and a worker must not die of one."""
+    for number in _signal_numbers(names):
+        signal.signal(number, signal.SIG_IGN)
+
+
 class GracefulStop:
     """Remember that a stop signal arrived; all ranks then agree on the step to stop after."""
 
     def __init__(self, names):
         self.received = None
-        for name in filter(None, (n.strip().upper() for n in names.split(","))):
-            signal.signal(getattr(signal, name if name.startswith("SIG") else "SIG" + name), self._handler)
+        for number in _signal_numbers(names):
+            signal.signal(number, self._handler)
 
     def _handler(self, signum, frame):
         # Only set a flag: the step in flight finishes, and no collective is left half-done.
@@ -71,6 +85,17 @@ def report_stopped(accelerator):
     if marker and accelerator.is_local_main_process:
         with open(marker, "w") as f:
             f.write(f"{EXIT_STOPPED}\n")
+
+
+def stopped(accelerator, stopper, step, checkpoint_dir):
+    """Report a stop on a signal and return the exit code: 75 ("requeue me") only when there is a checkpoint."""
+    printer(accelerator)(
+        f"stopped by {stopper.received or 'a signal to another rank'} after step {step}: "
+        + (f"checkpoint saved in {checkpoint_dir}, run the same command again to resume (exit code {EXIT_STOPPED})"
+           if checkpoint_dir else "no --checkpoint-dir was given, so this progress is lost"))
+    if checkpoint_dir:
+        report_stopped(accelerator)
+    return EXIT_STOPPED if checkpoint_dir else 1
 
 
 def _sha256(path):
@@ -120,12 +145,11 @@ def verify(path):
 
 def _layout(accelerator):
     """What decides whether a checkpoint's files can be read back by this run."""
-    plugin = accelerator.state.deepspeed_plugin
-    zero_stage = plugin.deepspeed_config.get("zero_optimization", {}).get("stage") if plugin else None
     # 1 process and DDP store the same full state; DeepSpeed and FSDP store their own formats.
     family = {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(
         accelerator.distributed_type, "full")
-    return {"family": family, "zero_stage": zero_stage, "world_size": accelerator.num_processes}
+    return {"family": family, "zero_stage": engine(accelerator)["deepspeed_stage"],
+            "world_size": accelerator.num_processes}
 
 
 class Checkpointer:
@@ -145,10 +169,7 @@ class Checkpointer:
         broadcast_object_list(box)
         value, error = box[0]
         if error:
-            if self.accelerator.is_main_process:
-                print(f"error: {error}", file=sys.stderr, flush=True)
-            self.accelerator.end_training()
-            sys.exit(2)
+            fail(self.accelerator, error)
         return value
 
     def save(self, step, train_state):

@@ -37,10 +37,7 @@ Results (defaults: 3 epochs, global batch 128, AdamW 1e-3 with cosine decay):
 """
 
 import argparse
-import itertools
-import json
 import os
-import resource
 import sys
 import time
 from datetime import timedelta
@@ -49,13 +46,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision.datasets import MNIST
 from tqdm import tqdm
 
-from checkpointing import EXIT_STOPPED, Checkpointer, GracefulStop, add_checkpoint_args, report_stopped
+from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, stopped
+from common import (Window, MetricsLog, cast_buffers_for_half_precision, check_batch, check_deepspeed_flags,
+                    check_launch, engine, fail, finish, footprint, printer, resumable_epochs, stepping_optimizer,
+                    write_summary)
 from synthetic_mnist import write_synthetic_mnist
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -107,30 +107,6 @@ class ConvNet(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
-def fail(accelerator, message):
-    """One clear message from the main process, a non-zero exit from every process."""
-    if accelerator.is_main_process:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    accelerator.end_training()  # tear down the process group before exiting (see the end of main)
-    sys.exit(2)
-
-
-def check_launch(accelerator):
-    """Refuse to train as silent independent copies or without the engine the config asked for."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    cpu_hint = ("To run several processes on a CPU-only machine, set ACCELERATE_USE_CPU=1 for DDP configs; "
-                "DeepSpeed and FSDP configs need the test shim, see README 'GPU configs on a CPU'.")
-    if accelerator.num_processes != launched or (launched > 1 and accelerator.distributed_type == DistributedType.NO):
-        fail(accelerator, f"the launcher started {launched} processes, but accelerate set up "
-                          f"{accelerator.num_processes} ({accelerator.distributed_type}): each would train "
-                          f"alone. {cpu_hint}")
-    for env, wanted in (("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED),
-                        ("ACCELERATE_USE_FSDP", DistributedType.FSDP)):
-        if os.environ.get(env, "false").lower() == "true" and accelerator.distributed_type != wanted:
-            fail(accelerator, f"the config asks for {wanted.value} but accelerate is running "
-                              f"{accelerator.distributed_type.value}. {cpu_hint}")
-
-
 def load_mnist(args, accelerator):
     """Return (train, test, source); each split is (uint8 images N x 28 x 28, int64 labels)."""
     source = "synthetic" if args.data == "synthetic" else "mnist"
@@ -179,25 +155,6 @@ def evaluate(model, loader, accelerator, input_dtype):
     return correct / count, loss_sum / count, count
 
 
-def peak_memory_mb(accelerator):
-    if accelerator.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(accelerator.device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def held_parameters(model):
-    """(elements, checksum) of the parameters this rank really holds: a shard under ZeRO-3 and FSDP."""
-    elements, checksum = 0, 0.0
-    for p in model.parameters():
-        held = getattr(p, "ds_tensor", None)  # ZeRO-3 keeps this rank's partition here
-        if held is None and hasattr(p, "to_local"):  # FSDP2 parameters are DTensors
-            held = p.to_local()
-        held = p if held is None else held
-        elements += held.numel()
-        checksum += held.detach().double().sum().item()
-    return elements, checksum
-
-
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -210,19 +167,11 @@ def main(argv=None):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
     )
     check_launch(accelerator)
+    log = printer(accelerator)
     world = accelerator.num_processes
-
-    def log(*message, **kwargs):  # accelerator.print prints once per node; progress once per run
-        if accelerator.is_main_process:
-            print(*message, **kwargs)
-
     micro_batch = args.batch_size // args.grad_accum  # global samples per forward pass
-    if args.batch_size % (world * args.grad_accum) or args.eval_batch_size % world:
-        good = world * args.grad_accum
-        fail(accelerator, f"--batch-size {args.batch_size} is the global batch of one optimizer step and must "
-                          f"divide by processes x --grad-accum = {good} (try {max(good, args.batch_size // good * good)}); "
-                          f"--eval-batch-size {args.eval_batch_size} must divide by {world}.")
-    set_seed(args.seed)
+    check_batch(accelerator, args.batch_size, args.grad_accum, args.eval_batch_size)
+    set_seed(args.seed)  # before the loaders: the seedable sampler takes its seed from here
 
     (train_x, train_y), (test_x, test_y), source = load_mnist(args, accelerator)
     if source == "synthetic":
@@ -241,34 +190,14 @@ def main(argv=None):
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total_steps, 1))
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler)
-
-    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
-    if ds_config and (accelerator.gradient_accumulation_steps != args.grad_accum
-                      or float(ds_config.get("gradient_clipping", 0.0)) != args.max_grad_norm):
-        fail(accelerator, f"the DeepSpeed config sets gradient_accumulation_steps="
-                          f"{ds_config.get('gradient_accumulation_steps')} and gradient_clipping="
-                          f"{ds_config.get('gradient_clipping')}, the flags say {args.grad_accum} and "
-                          f"{args.max_grad_norm}: remove those keys from the YAML so the flags decide.")
-    zero_stage = ds_config.get("zero_optimization", {}).get("stage") if ds_config else None
-    inner = optimizer  # unwrap accelerate's and DeepSpeed's wrappers down to the optimizer that steps
-    while hasattr(inner, "optimizer"):
-        inner = inner.optimizer
-    optimizer_name = type(inner).__name__
-    if inner is not adamw:
-        # Optimizer offload: prepare() replaced our AdamW by DeepSpeedCPUAdam, and the scheduler
-        # would go on setting the learning rate of an AdamW that never steps. Point it at the real one.
-        scheduler.scheduler.optimizer = optimizer
+    check_deepspeed_flags(accelerator, args.grad_accum, args.max_grad_norm)
+    optimizer_name = stepping_optimizer(optimizer, adamw, scheduler)
+    cast_buffers_for_half_precision(accelerator, model)
     input_dtype = next(model.parameters()).dtype  # bf16 under DeepSpeed bf16, else fp32 (autocast casts)
-    # DeepSpeed and FSDP compute with bf16 weights but leave the buffers in fp32, and
-    # BatchNorm refuses running statistics of another dtype than its weights.
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
-    if half and accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        for buffer in model.buffers():
-            if buffer.is_floating_point():
-                buffer.data = buffer.data.to(half)
-    log(f"{accelerator.distributed_type.value} | {world} processes | mixed precision {accelerator.mixed_precision} | "
-        f"ZeRO stage {zero_stage or '-'} | optimizer {optimizer_name} | global batch {args.batch_size} "
-        f"({args.grad_accum} x {micro_batch // world} per process) | {total_steps} steps", flush=True)
+    setup = engine(accelerator)
+    log(f"{setup['distributed_type']} | {world} processes | mixed precision {setup['mixed_precision']} | "
+        f"ZeRO stage {setup['deepspeed_stage'] or '-'} | optimizer {optimizer_name} | global batch {args.batch_size} "
+        f"({args.grad_accum} x {micro_batch // world} per process) | {total_steps} steps")
 
     # Resume before opening the logs: a requeued job continues from its newest complete checkpoint.
     checkpointer = Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={
@@ -279,17 +208,10 @@ def main(argv=None):
                 "final_loss": None, "epoch_loss": 0.0, "data_time": 0.0, "compute_time": 0.0, "train_time": 0.0}
     progress.update(checkpointer.resume(args.resume) or {})
     step, first_loss, final_loss = progress["step"], progress["first_loss"], progress["final_loss"]
-    data_time, compute_time = progress["data_time"], progress["compute_time"]
-    os.makedirs(args.output_dir, exist_ok=True)
-    metrics_file = None
-    if accelerator.is_main_process:  # keep the log of the steps the checkpoint holds, drop those it lost
-        path = os.path.join(args.output_dir, "metrics.jsonl")
-        kept = [line for line in open(path) if json.loads(line)["step"] <= step] if step and os.path.exists(path) else []
-        metrics_file = open(path, "w")
-        metrics_file.writelines(kept)
+    metrics = MetricsLog(accelerator, args.output_dir, step)
     bar = tqdm(total=total_steps, initial=step, disable=not (accelerator.is_main_process and sys.stdout.isatty()))
-    zero = lambda: torch.zeros((), dtype=torch.float64, device=accelerator.device)  # noqa: E731
-    window = dict(data=0.0, compute=0.0, micro=0, loss=zero(), fingerprint=zero())
+    window = Window(accelerator, progress["data_time"], progress["compute_time"])
+    fingerprint = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     accuracy, stopping = None, False
     train_start = time.perf_counter()
 
@@ -298,24 +220,19 @@ def main(argv=None):
         checkpointer.save(step, {
             **progress, "epoch": epoch, "step_in_epoch": step_in_epoch, "step": step, "first_loss": first_loss,
             "final_loss": final_loss, "epoch_loss": accelerator.reduce(epoch_loss, "mean").item(),
-            "data_time": data_time, "compute_time": compute_time,
+            "data_time": window.total_data, "compute_time": window.total_compute,
             "train_time": progress["train_time"] + time.perf_counter() - train_start})
 
-    for epoch in range(progress["epoch"], args.epochs):
+    for epoch, done, batches in resumable_epochs(accelerator, train_loader, progress, args.epochs,
+                                                 steps_per_epoch, args.grad_accum):
         if step >= total_steps:
             break
-        # The shuffle depends on (seed, epoch) only, so a resumed run sees the same order, and
-        # skip_first_batches fast-forwards through the part of this epoch the checkpoint holds.
-        train_loader.set_epoch(epoch)
-        done = progress["step_in_epoch"] if epoch == progress["epoch"] else 0
-        loader = accelerator.skip_first_batches(train_loader, done * args.grad_accum) if done else train_loader
         epoch_loss = torch.tensor(progress["epoch_loss"] if done else 0.0, dtype=torch.float64, device=accelerator.device)
         epoch_micro, step_in_epoch = done * args.grad_accum, done
         progress["epochs_run"] += 0 if done else 1
-        t0 = time.perf_counter()
-        # islice: stop at a whole number of optimizer steps, so --grad-accum never makes a short last step.
-        for images, labels in itertools.islice(loader, (steps_per_epoch - done) * args.grad_accum):
-            t1 = time.perf_counter()  # time spent blocked in the loader: waiting for data
+        window.mark = time.perf_counter()
+        for images, labels in batches:
+            window.data_ready()
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(to_input(images, input_dtype)).float(), labels)
                 accelerator.backward(loss)
@@ -326,37 +243,24 @@ def main(argv=None):
                 optimizer.zero_grad()
             epoch_loss += loss.detach()
             epoch_micro += 1
-            window["loss"] += loss.detach()
             # Changes with the exact samples and their order on this rank: tests compare it across resumes.
-            window["fingerprint"] += (labels.double() * torch.arange(1, len(labels) + 1, device=labels.device)).sum() \
+            fingerprint += (labels.double() * torch.arange(1, len(labels) + 1, device=labels.device)).sum() \
                 + images.double().mean()
-            t2 = time.perf_counter()
-            window["data"] += t1 - t0
-            window["compute"] += t2 - t1
-            window["micro"] += 1
-            t0 = t2
+            window.step_done(loss)
             if not accelerator.sync_gradients:
                 continue
             step, step_in_epoch = step + 1, step_in_epoch + 1
             bar.update(1)
             if step % args.log_every == 0 or step == total_steps or step == 1:
-                mean_loss = accelerator.reduce(window["loss"] / window["micro"], "mean").item()
-                first_loss = mean_loss if first_loss is None else first_loss
-                elapsed = window["data"] + window["compute"]
-                record = {"step": step, "epoch": epoch, "loss": mean_loss, "lr": optimizer.param_groups[0]["lr"],
-                          "samples_per_s": window["micro"] * micro_batch / elapsed,
-                          "data_ms": 1000 * window["data"] / window["micro"],
-                          "compute_ms": 1000 * window["compute"] / window["micro"],
-                          "rank_fingerprints": accelerator.gather(window["fingerprint"].view(1)).tolist()}
-                if metrics_file:
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
-                line = (f"epoch {epoch} step {step}/{total_steps} | loss {mean_loss:.4f} | "
+                record = window.record(micro_batch, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"],
+                                       rank_fingerprints=accelerator.gather(fingerprint.view(1)).tolist())
+                fingerprint.zero_()
+                first_loss = record["loss"] if first_loss is None else first_loss
+                metrics.write(record)
+                line = (f"epoch {epoch} step {step}/{total_steps} | loss {record['loss']:.4f} | "
                         f"{record['samples_per_s']:.0f} samples/s | per micro-batch: data {record['data_ms']:.1f} ms, "
                         f"compute {record['compute_ms']:.1f} ms")
-                tqdm.write(line) if not bar.disable else log(line, flush=True)
-                data_time, compute_time = data_time + window["data"], compute_time + window["compute"]
-                window.update(data=0.0, compute=0.0, micro=0, loss=zero(), fingerprint=zero())
+                tqdm.write(line) if not bar.disable else log(line)
             stopping = stopper.agreed(accelerator)  # every rank, every step: nobody waits for a rank that left
             if args.checkpoint_dir and (stopping or (args.checkpoint_every and step % args.checkpoint_every == 0)):
                 save_checkpoint(epoch, step_in_epoch, epoch_loss)
@@ -367,65 +271,47 @@ def main(argv=None):
         final_loss = accelerator.reduce(epoch_loss / max(epoch_micro, 1), "mean").item()
         accuracy, test_loss, test_count = evaluate(model, test_loader, accelerator, input_dtype)
         log(f"epoch {epoch} done | train loss {final_loss:.4f} | test loss {test_loss:.4f} | "
-            f"test accuracy {100 * accuracy:.2f}% on {test_count} images", flush=True)
+            f"test accuracy {100 * accuracy:.2f}% on {test_count} images")
         finished = step_in_epoch == steps_per_epoch
         if args.checkpoint_dir:
-            save_checkpoint(epoch + finished, 0 if finished else step_in_epoch, zero() if finished else epoch_loss)
+            save_checkpoint(epoch + finished, 0 if finished else step_in_epoch,
+                            torch.zeros_like(epoch_loss) if finished else epoch_loss)
         stopping = stopper.agreed(accelerator)
         if stopping:
             break
     train_time = progress["train_time"] + time.perf_counter() - train_start
     bar.close()
-    if stopping:  # exit code 75 tells a job script "requeue me", so only when there is something to resume
-        log(f"stopped by {stopper.received or 'a signal to another rank'} after step {step}: "
-            + (f"checkpoint saved in {args.checkpoint_dir}, run the same command again to resume (exit code "
-               f"{EXIT_STOPPED})" if args.checkpoint_dir else "no --checkpoint-dir was given, so this progress is lost"),
-            flush=True)
-        if args.checkpoint_dir:
-            report_stopped(accelerator)
-        del model, optimizer, scheduler, train_loader, test_loader  # see the end of main
-        accelerator.free_memory()
-        accelerator.end_training()
-        return EXIT_STOPPED if args.checkpoint_dir else 1
+    if stopping:
+        code = stopped(accelerator, stopper, step, args.checkpoint_dir)
+        del model, optimizer, scheduler, train_loader, test_loader  # see finish()
+        finish(accelerator)
+        return code
     if accuracy is None:  # --epochs 0, or resumed from the final checkpoint: evaluate the model as it is
         accuracy, test_loss, test_count = evaluate(model, test_loader, accelerator, input_dtype)
     # Every rank takes part: under ZeRO-3 and FSDP the full weights are gathered from all shards.
     state_dict = accelerator.get_state_dict(model)
-    per_rank = accelerator.gather(torch.tensor([peak_memory_mb(accelerator), *held_parameters(model)],
-                                               dtype=torch.float64, device=accelerator.device)).view(world, 3)
+    memory_and_shards = footprint(accelerator, model)
     if accelerator.is_main_process:
         save_file({k: v.contiguous().cpu() for k, v in state_dict.items()},
                   os.path.join(args.output_dir, "model.safetensors"))
+        data_time, compute_time = window.total_data, window.total_compute
         summary = {
-            "recipe": "mnist", "distributed_type": accelerator.distributed_type.value, "world_size": world,
-            "mixed_precision": accelerator.mixed_precision, "deepspeed_stage": zero_stage,
-            "optimizer": optimizer_name, "data_source": source, "steps": step, "epochs": progress["epochs_run"],
-            "resumed_from_step": progress["step"] or None,
+            "recipe": "mnist", **setup, "optimizer": optimizer_name, "data_source": source, "steps": step,
+            "epochs": progress["epochs_run"], "resumed_from_step": progress["step"] or None,
             "first_loss": first_loss, "final_loss": final_loss, "test_loss": test_loss,
             "test_accuracy": accuracy, "test_samples": test_count,
             "samples_per_s": step * args.batch_size / train_time if step else 0.0,
             "data_time_s": data_time, "compute_time_s": compute_time,
             "data_fraction": data_time / max(data_time + compute_time, 1e-9),
-            "peak_memory_mb": per_rank[:, 0].max().item(),
-            "peak_memory_kind": "cuda_allocated" if accelerator.device.type == "cuda" else "cpu_max_rss",
             "param_elements": sum(v.numel() for k, v in state_dict.items() if v.is_floating_point() and "running" not in k),
-            "param_elements_per_rank": [int(n) for n in per_rank[:, 1].tolist()],
-            "param_checksum_per_rank": per_rank[:, 2].tolist(),  # equal on every rank unless sharded
-            "wall_time_s": time.perf_counter() - t_start, "args": vars(args),
+            **memory_and_shards, "wall_time_s": time.perf_counter() - t_start, "args": vars(args),
         }
-        with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        metrics_file.close()
+        metrics.close()
         if source == "synthetic":
             log("DATA: these results are on SYNTHETIC digits, not real MNIST")
-        print("SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "args"}), flush=True)
-    # Drop everything that holds the process group (the DDP wrapper, the DeepSpeed engine),
-    # then destroy it while the interpreter is still alive. Left to interpreter shutdown,
-    # gloo's C++ side is torn down after Python and can abort the process ("terminate
-    # called without an active exception") after training has already succeeded.
-    del model, optimizer, scheduler, train_loader, test_loader
-    accelerator.free_memory()
-    accelerator.end_training()
+        write_summary(args.output_dir, summary)
+    del model, optimizer, scheduler, train_loader, test_loader  # see finish()
+    finish(accelerator)
     return 0
 
 

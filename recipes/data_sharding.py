@@ -1,0 +1,112 @@
+"""What each rank sees: how accelerate's prepared DataLoader shards and reshuffles the data.
+
+    python recipes/data_sharding.py
+    accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/data_sharding.py
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/2gpu.yaml \\
+        recipes/data_sharding.py --dataset-size 23 --batch-size 4
+
+The dataset is just the numbers 0..N-1, so a batch shows which samples it holds. The
+loader is the one every recipe here builds: a plain DataLoader(shuffle=True) with a
+GLOBAL batch size, prepared with split_batches=True and a seedable sampler. Then:
+
+  * Every rank draws the same shuffled order of the whole dataset (the sampler's seed
+    comes from set_seed), cuts each global batch into world-size slices and keeps its
+    own: rank r gets positions r*B/R..(r+1)*B/R-1 of every batch. The shards are disjoint
+    and together they cover the dataset.
+  * set_epoch(e) reseeds the shuffle with (seed, e): each epoch has a new order, and
+    the same seed gives the same order on every run and for every number of processes.
+  * Without set_seed before building the loader each process seeds its sampler from its
+    own random state: the ranks shuffle differently and their shards OVERLAP, so some
+    samples are trained on twice per epoch and others never. --unseeded shows it.
+  * A dataset whose size does not divide by the batch: the last global batch is short.
+    With drop_last it is dropped. Without, accelerate (even_batches, the default) tops
+    it up with samples from the start of the epoch until it splits evenly, so every rank
+    runs the same number of steps and no collective waits for a rank that has finished.
+    Those repeated samples count twice in training; for evaluation gather_for_metrics
+    removes them, which this script checks.
+
+Nothing here trains, so there is nothing to checkpoint; every config runs it unchanged.
+It writes shards.json (every index every rank saw, per epoch) for tests/.
+Result (2026-11-22, 2-core CPU, 2 processes, 23 samples, batch 4): ranks get 12
+samples each per epoch, disjoint apart from the one sample repeated to fill the last
+batch; the order changes every epoch and is identical on every run with the same seed.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
+from torch.utils.data import DataLoader
+
+from common import check_batch, check_launch, engine, finish, printer, write_summary
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset-size", type=int, default=23, help="samples 0..N-1 (odd by default, on purpose)")
+    p.add_argument("--batch-size", type=int, default=4, help="GLOBAL batch, split across all processes")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--show-batches", type=int, default=3, help="batches per rank and epoch to print")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drop-last", action="store_true", help="drop the short last batch instead of topping it up")
+    p.add_argument("--unseeded", action="store_true",
+                   help="skip set_seed (the mistake): the ranks then shuffle differently and overlap")
+    p.add_argument("--output-dir", default="runs/data_sharding", help="summary.json and shards.json")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
+    check_launch(accelerator)
+    check_batch(accelerator, args.batch_size)
+    log = printer(accelerator)
+    if not args.unseeded:
+        set_seed(args.seed)  # before building the loader: the sampler takes its seed from here
+    dataset = torch.arange(args.dataset_size)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=args.drop_last)
+    loader = accelerator.prepare(loader)  # no model: only the loader needs preparing
+    world = accelerator.num_processes
+    log(f"{accelerator.distributed_type.value} | {world} processes | {args.dataset_size} samples | global batch "
+        f"{args.batch_size} = {args.batch_size // world} per process | drop_last {args.drop_last} | "
+        f"{'UNSEEDED' if args.unseeded else f'seed {args.seed}'}")
+    epochs = []
+    for epoch in range(args.epochs):
+        loader.set_epoch(epoch)
+        mine, evaluated = [], []
+        for batch in loader:
+            mine.append(batch.tolist())
+            # Inside the loop, as in an evaluation: on the last batch it drops the samples that were repeated.
+            evaluated += accelerator.gather_for_metrics(batch).tolist()
+        evaluated.sort()
+        per_rank = gather_object([mine])  # one entry per rank, in rank order
+        seen = [i for batches in per_rank for b in batches for i in b]
+        repeated = len(seen) - len(set(seen))
+        epochs.append({"epoch": epoch, "batches_per_rank": per_rank, "evaluated": evaluated,
+                       "samples_per_rank": [sum(map(len, b)) for b in per_rank], "repeated": repeated,
+                       "missing": sorted(set(range(args.dataset_size)) - set(seen))})
+        for rank, batches in enumerate(per_rank):
+            shown = " ".join(str(b) for b in batches[:args.show_batches])
+            log(f"epoch {epoch} rank {rank}: {len(batches)} batches, {sum(map(len, batches))} samples | first: {shown}")
+        log(f"epoch {epoch}: {len(set(seen))} of {args.dataset_size} samples seen, {repeated} seen twice, "
+            f"{len(epochs[-1]['missing'])} never | gather_for_metrics returned {len(evaluated)} samples")
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "shards.json"), "w") as f:
+            json.dump(epochs, f)
+        write_summary(args.output_dir, {
+            "recipe": "data_sharding", **engine(accelerator), "steps_per_epoch": [len(e["batches_per_rank"][0]) for e in epochs],
+            "samples_per_rank": epochs[0]["samples_per_rank"], "repeated_per_epoch": [e["repeated"] for e in epochs],
+            "missing_per_epoch": [len(e["missing"]) for e in epochs],
+            "evaluated_per_epoch": [len(e["evaluated"]) for e in epochs], "args": vars(args)})
+    del loader
+    finish(accelerator)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

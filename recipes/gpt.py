@@ -1,0 +1,351 @@
+"""A GPT language model in plain PyTorch, trained on bytes: the ZeRO-3 showcase.
+
+    python recipes/gpt.py --preset tiny --max-steps 200                   # a CPU is enough
+    accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/gpt.py --preset 124M
+    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml recipes/gpt.py \\
+        --preset 6.7B --batch-size 16 --peak-tflops 989 --data-files 'corpus/*.txt'
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/2gpu.yaml \\
+        --mixed_precision no recipes/gpt.py --preset tiny                  # 2 processes on a CPU
+
+A decoder-only transformer (pre-LayerNorm blocks, causal attention through
+F.scaled_dot_product_attention, GELU MLP, tied input/output embeddings). The tokens
+are bytes (vocabulary 256), so there is no tokenizer to download.
+
+Text: --data-files (local files or globs, comma-separated) or --dataset (a Hugging Face
+hub name, when online) through the `datasets` library; with neither, the Python
+standard library's own source files, which every machine has. Documents are tokenised
+with .map(batched=True) under main_process_first (one process builds the cache, the
+others read it), joined with a 0 byte between documents, and packed into blocks of
+block_size + 1 tokens (input and shifted target). 2% of the blocks are held out.
+
+Reporting: tokens/s over all processes, and model FLOPs utilisation (MFU) when you give
+--peak-tflops per GPU (989 for an H100 SXM in dense bf16): MFU = (6 N + 12 L d T) FLOPs
+per token x tokens/s / (peak x processes), N the parameters without the position table.
+
+Memory of the model states per GPU on 2 GPUs, with AdamW (bytes per parameter: DDP
+keeps fp32 weights, fp32 gradients, DDP's gradient buckets and two fp32 Adam moments:
+20; DeepSpeed bf16 keeps bf16 weights and gradients plus fp32 master weights and
+moments: 16, of which ZeRO-1 shards the 12 optimizer bytes, ZeRO-2 also the gradients,
+ZeRO-3 everything). Activations come on top: about 34 L T d bytes per sequence in bf16.
+
+    preset  layers d_model heads  params   DDP     ZeRO-1  ZeRO-2  ZeRO-3  activations/sequence
+    124M      12    768     12     86 M    1.7 GB  0.9 GB  0.8 GB  0.7 GB  0.3 GB
+    350M      24   1024     16    304 M    6.1     3.0     2.7     2.4     0.9
+    1.3B      24   2048     16   1.21 B   24.2    12.1    10.9     9.7     1.7
+    2.7B      32   2560     32   2.52 B   50.4    25.2    22.7    20.2     2.9
+    6.7B      32   4096     32   6.45 B  129      64.5    58.0    51.6     4.6
+    13B       40   5120     40   12.6 B  252     126     113     101       7.1
+
+With 80 GB per GPU the largest preset that fits is 2.7B under DDP, and 6.7B under
+ZeRO-1, ZeRO-2 and ZeRO-3 (ZeRO-1 with few sequences per GPU); only ZeRO-3 with CPU
+offload (deepspeed_zero3_offload.yaml, about 16 bytes per parameter of CPU memory)
+gets 13B going. The names are the GPT-2/GPT-3 shapes; with 256 byte tokens instead of
+50k BPE tokens the models are smaller than their names. These are estimates; no GPU
+was available to measure them (the recipe prints its own estimate when it starts).
+
+Results (measured 2026-11-22 on a 2-core CPU machine without GPU, fp32): preset tiny,
+a generated text file, global batch 16: the loss falls from 5.6 to 1.6 in 200 steps;
+DDP, ZeRO-2 and ZeRO-3 give the same losses step by step (tests/), and under ZeRO-3
+each rank holds half of the parameters. No GPU figures: none was available.
+"""
+
+import argparse
+import glob
+import itertools
+import math
+import os
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+
+from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, stopped
+from common import (MetricsLog, Window, check_batch, check_deepspeed_flags, check_launch, engine, fail, finish,
+                    footprint, printer, resumable_epochs, stepping_optimizer, write_summary)
+
+# name: (layers, heads, d_model, context length)
+PRESETS = {"tiny": (2, 2, 64, 64), "124M": (12, 12, 768, 1024), "350M": (24, 16, 1024, 1024),
+           "1.3B": (24, 16, 2048, 1024), "2.7B": (32, 32, 2560, 1024), "6.7B": (32, 32, 4096, 1024),
+           "13B": (40, 40, 5120, 1024)}
+VOCAB, SEPARATOR = 256, 0  # bytes; a 0 byte between documents
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=PRESETS, default="124M", help="model size (tiny is for tests and CPUs)")
+    p.add_argument("--block-size", type=int, default=0, help="context length (0: the preset's)")
+    p.add_argument("--data-files", default=None, help="local text files or globs, comma-separated")
+    p.add_argument("--dataset", default=None, help="a Hugging Face hub dataset with a text column (needs internet)")
+    p.add_argument("--dataset-config", default=None, help="its configuration name, e.g. wikitext-103-raw-v1")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--max-steps", type=int, default=2000, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch in sequences, split across processes")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
+    p.add_argument("--warmup-steps", type=int, default=100, help="linear warm-up, then cosine decay to lr/10")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--eval-every", type=int, default=250, help="validation loss every N steps (and at the end)")
+    p.add_argument("--eval-batches", type=int, default=20, help="global batches of held-out text per evaluation")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="peak TFLOP/s of ONE GPU, for MFU (H100 SXM bf16: 989)")
+    p.add_argument("--prompt", default="def ", help="text to continue at the end")
+    p.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate (0: no sample)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps")
+    p.add_argument("--output-dir", default="runs/gpt", help="summary.json, metrics.jsonl, model.safetensors")
+    add_checkpoint_args(p)
+    return p.parse_args(argv)
+
+
+class Block(nn.Module):
+    def __init__(self, heads, d, dropout):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout))
+
+    def forward(self, x):
+        batch, length, d = x.shape
+        q, k, v = (t.view(batch, length, self.heads, d // self.heads).transpose(1, 2)
+                   for t in self.qkv(self.ln1(x)).split(d, dim=2))
+        # Fused causal attention: flash or memory-efficient kernels on GPU, no T x T mask in memory.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(y.transpose(1, 2).reshape(batch, length, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers, heads, d, block_size, dropout=0.0):
+        super().__init__()
+        self.block_size = block_size
+        self.wte, self.wpe = nn.Embedding(VOCAB, d), nn.Embedding(block_size, d)
+        self.blocks = nn.ModuleList(Block(heads, d, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied embeddings, as in GPT-2
+        for name, p in self.named_parameters():
+            if p.dim() == 2:  # GPT-2 initialisation; residual projections scaled down with depth
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def load_blocks(args, accelerator, block_size):
+    """Packed blocks of block_size + 1 byte tokens: (train, validation) datasets of 'ids'."""
+    from datasets import load_dataset
+    if args.dataset:
+        source, column = args.dataset, args.text_column
+        load = lambda: load_dataset(args.dataset, args.dataset_config, split="train")  # noqa: E731
+    else:
+        patterns = args.data_files.split(",") if args.data_files else [os.path.join(sysconfig.get_paths()["stdlib"], "*.py")]
+        files = sorted(f for pattern in patterns for f in glob.glob(os.path.expanduser(pattern)))
+        if not files:
+            fail(accelerator, f"--data-files {args.data_files!r} matches no file; give paths or globs of text files")
+        source, column = (args.data_files or "python standard library"), "text"
+        load = lambda: load_dataset("text", data_files=files, sample_by="document", split="train")  # noqa: E731
+
+    def tokenize(batch):
+        return {"ids": [list(text.encode("utf-8")) + [SEPARATOR] for text in batch[column]]}
+
+    def pack(batch):
+        stream = list(itertools.chain.from_iterable(batch["ids"]))
+        usable = len(stream) // (block_size + 1) * (block_size + 1)
+        return {"ids": [stream[i:i + block_size + 1] for i in range(0, usable, block_size + 1)]}
+
+    with accelerator.main_process_first():  # the main process tokenises and caches; the others reuse its cache
+        try:
+            texts = load()
+        except Exception as exc:
+            fail(accelerator, f"could not load {source!r} ({type(exc).__name__}: {exc}). Offline, use --data-files "
+                              f"with local text files, or no data flag for the standard library's sources.")
+        tokens = texts.map(tokenize, batched=True, remove_columns=texts.column_names, desc="tokenising")
+        blocks = tokens.map(pack, batched=True, batch_size=256, desc="packing")
+    if len(blocks) < 50:
+        fail(accelerator, f"{source!r} gives only {len(blocks)} blocks of {block_size + 1} bytes; give more text "
+                          f"or a smaller --block-size")
+    split = blocks.train_test_split(test_size=0.02, seed=0)
+    return split["train"].with_format("torch"), split["test"].with_format("torch"), source
+
+
+def evaluate(model, loader, accelerator, batches):
+    """Mean loss per sequence over the first `batches` global batches of held-out blocks."""
+    model.eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for blocks in itertools.islice(loader, batches):
+            ids = blocks["ids"]
+            losses = F.cross_entropy(model(ids[:, :-1]).float().transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+            losses = accelerator.gather_for_metrics(losses)  # drops the blocks repeated to even out the last batch
+            total, count = total + losses.sum().item(), count + losses.numel()
+    model.train()
+    return total / max(count, 1)
+
+
+def generate(model, accelerator, prompt, tokens, temperature, top_k, block_size):
+    """Every rank runs the same forwards (ZeRO-3 and FSDP gather weights collectively); rank 0 draws."""
+    ids = torch.tensor([list(prompt.encode("utf-8")) or [SEPARATOR]], device=accelerator.device)
+    model.eval()
+    with torch.no_grad():
+        for _ in range(tokens):
+            logits = model(ids[:, -block_size:])[:, -1, :].float() / max(temperature, 1e-5)
+            cutoff = torch.topk(logits, min(top_k, VOCAB)).values[:, -1:]
+            probs = F.softmax(logits.masked_fill(logits < cutoff, float("-inf")), dim=-1)
+            nxt = broadcast(torch.multinomial(probs, 1))  # rank 0's draw, so every rank feeds the same input
+            ids = torch.cat([ids, nxt], dim=1)
+    model.train()
+    return bytes(ids[0].tolist()).decode("utf-8", errors="replace")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    stopper = GracefulStop(args.stop_signals)
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, dataloader_config=DataLoaderConfiguration(
+        split_batches=True, use_seedable_sampler=True))
+    check_launch(accelerator)
+    log = printer(accelerator)
+    world, setup = accelerator.num_processes, engine(accelerator)
+    check_batch(accelerator, args.batch_size, args.grad_accum)
+    set_seed(args.seed)
+    layers, heads, d, block_size = PRESETS[args.preset]
+    block_size = args.block_size or block_size
+    train_set, val_set, source = load_blocks(args, accelerator, block_size)
+    micro = args.batch_size // args.grad_accum
+    train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True)
+    val_loader = DataLoader(val_set, batch_size=micro)
+    model = GPT(layers, heads, d, block_size, args.dropout)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops_per_token = 6 * (n_params - block_size * d) + 12 * layers * d * block_size
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # no weight decay on biases and LayerNorm
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=args.lr, betas=(0.9, 0.95))
+    total_steps, steps_per_epoch = args.max_steps, len(train_loader) // args.grad_accum
+    if steps_per_epoch == 0:
+        fail(accelerator, f"{len(train_set)} training blocks do not fill one global batch of {args.batch_size}")
+    epochs = math.ceil(total_steps / steps_per_epoch)
+
+    def schedule(step):  # linear warm-up, then cosine from lr to lr/10
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        progress = (step - args.warmup_steps) / max(total_steps - args.warmup_steps, 1)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(adamw, schedule)
+    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
+        model, adamw, train_loader, val_loader, scheduler)
+    check_deepspeed_flags(accelerator, args.grad_accum, args.max_grad_norm)
+    optimizer_name = stepping_optimizer(optimizer, adamw, scheduler)
+    bytes_per_param = {None: 20, 1: 4 + 12 / world, 2: 2 + 14 / world, 3: 16 / world}[setup["deepspeed_stage"]]
+    log(f"{setup['distributed_type']} | {world} processes | mixed precision {setup['mixed_precision']} | ZeRO stage "
+        f"{setup['deepspeed_stage'] or '-'} | {optimizer_name} | preset {args.preset}: {n_params / 1e6:.2f} M "
+        f"parameters, model states about {n_params * bytes_per_param / 1e9:.2f} GB per process | text: {source}, "
+        f"{len(train_set)} blocks of {block_size} | global batch {args.batch_size} sequences | {total_steps} steps")
+
+    checkpointer = Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={
+        "source": source, "train_blocks": len(train_set), "block_size": block_size, **{k: getattr(args, k) for k in (
+            "preset", "batch_size", "grad_accum", "lr", "warmup_steps", "max_steps", "weight_decay", "seed")}})
+    progress = {"epoch": 0, "step_in_epoch": 0, "step": 0, "first_loss": None, "val_loss": None,
+                "data_time": 0.0, "compute_time": 0.0, "train_time": 0.0}
+    progress.update(checkpointer.resume(args.resume) or {})
+    step, first_loss, val_loss = progress["step"], progress["first_loss"], progress["val_loss"]
+    metrics = MetricsLog(accelerator, args.output_dir, step)
+    window = Window(accelerator, progress["data_time"], progress["compute_time"])
+    stopping, record = False, {}
+
+    train_start = time.perf_counter()
+    for epoch, done, batches in resumable_epochs(accelerator, train_loader, progress, epochs, steps_per_epoch, args.grad_accum):
+        if step >= total_steps:
+            break
+        step_in_epoch = done
+        window.mark = time.perf_counter()
+        for blocks in batches:
+            window.data_ready()
+            ids = blocks["ids"]
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(ids[:, :-1]).float().reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            window.step_done(loss)
+            if not accelerator.sync_gradients:
+                continue
+            step, step_in_epoch = step + 1, step_in_epoch + 1
+            if step % args.log_every == 0 or step in (1, total_steps):
+                record = window.record(micro * block_size, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"])
+                record["tokens_per_s"] = record.pop("samples_per_s")
+                if args.peak_tflops:
+                    record["mfu"] = flops_per_token * record["tokens_per_s"] / (args.peak_tflops * 1e12 * world)
+                first_loss = record["loss"] if first_loss is None else first_loss
+                if step % args.eval_every == 0 or step == total_steps:
+                    record["val_loss"] = val_loss = evaluate(model, val_loader, accelerator, args.eval_batches)
+                metrics.write(record)
+                log(f"step {step}/{total_steps} | loss {record['loss']:.4f}"
+                    + (f" | val loss {val_loss:.4f}" if "val_loss" in record else "")
+                    + f" | {record['tokens_per_s']:.0f} tokens/s" + (f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
+                    + f" | data {record['data_ms']:.1f} ms, compute {record['compute_ms']:.1f} ms per micro-batch")
+            stopping = stopper.agreed(accelerator)
+            finished = step_in_epoch == steps_per_epoch
+            if args.checkpoint_dir and (stopping or finished or (args.checkpoint_every and step % args.checkpoint_every == 0)):
+                checkpointer.save(step, {
+                    "epoch": epoch + finished, "step_in_epoch": 0 if finished else step_in_epoch, "step": step,
+                    "first_loss": first_loss, "val_loss": val_loss, "data_time": window.total_data,
+                    "compute_time": window.total_compute, "train_time": progress["train_time"] + time.perf_counter() - train_start})
+            if stopping or step >= total_steps:
+                break
+        if stopping:
+            break
+    train_time = progress["train_time"] + time.perf_counter() - train_start
+    if stopping:
+        code = stopped(accelerator, stopper, step, args.checkpoint_dir)
+        del model, optimizer, scheduler, train_loader, val_loader
+        finish(accelerator)
+        return code
+    if val_loss is None or step != total_steps:
+        val_loss = evaluate(model, val_loader, accelerator, args.eval_batches)
+    sample = generate(model, accelerator, args.prompt, args.sample_tokens, args.temperature, args.top_k,
+                      block_size) if args.sample_tokens else ""
+    state_dict = accelerator.get_state_dict(model)  # collective: gathers ZeRO-3 / FSDP shards
+    memory_and_shards = footprint(accelerator, model)
+    if accelerator.is_main_process:
+        save_file({k: v.contiguous().cpu() for k, v in state_dict.items() if k != "lm_head.weight"},
+                  os.path.join(args.output_dir, "model.safetensors"))  # lm_head is wte (tied)
+        log(f"sample from {args.prompt!r}:\n{sample}")
+        tokens_per_s = (step - progress["step"]) * args.batch_size * block_size / max(train_time - progress["train_time"], 1e-9)
+        metrics.close()
+        write_summary(args.output_dir, {
+            "recipe": "gpt", **setup, "optimizer": optimizer_name, "preset": args.preset, "param_elements": n_params,
+            "block_size": block_size, "data_source": source, "train_blocks": len(train_set), "steps": step,
+            "resumed_from_step": progress["step"] or None, "first_loss": first_loss, "final_loss": record.get("loss"),
+            "val_loss": val_loss, "tokens_per_s": tokens_per_s,
+            "mfu": flops_per_token * tokens_per_s / (args.peak_tflops * 1e12 * world) if args.peak_tflops else None,
+            "data_time_s": window.total_data, "compute_time_s": window.total_compute,
+            "model_state_gb_per_process_estimate": n_params * bytes_per_param / 1e9, **memory_and_shards,
+            "sample": sample, "wall_time_s": time.perf_counter() - t_start, "args": vars(args)})
+    del model, optimizer, scheduler, train_loader, val_loader
+    finish(accelerator)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
