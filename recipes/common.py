@@ -75,6 +75,15 @@ def engine(accelerator):
             "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)}
 
 
+def deepspeed_clip_like(accelerator, max_grad_norm):
+    """Call before prepare(). DeepSpeed clips gradients itself, and accelerate turns the config's 'auto' into
+    a clipping norm of 1.0, while DDP and FSDP never clip on their own: make DeepSpeed clip like the recipe's
+    flag (0: not at all), so every config runs the same optimisation."""
+    ds = deepspeed_config(accelerator)
+    if ds and ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = float(max_grad_norm)
+
+
 def check_deepspeed_flags(accelerator, grad_accum, max_grad_norm):
     """The flags decide accumulation and clipping; a DeepSpeed config that says otherwise is an error."""
     ds = deepspeed_config(accelerator)

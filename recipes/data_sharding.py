@@ -27,7 +27,7 @@ GLOBAL batch size, prepared with split_batches=True and a seedable sampler. Then
 
 Nothing here trains, so there is nothing to checkpoint; every config runs it unchanged.
 It writes shards.json (every index every rank saw, per epoch) for tests/.
-Result (2026-11-22, 2-core CPU, 2 processes, 23 samples, batch 4): ranks get 12
+Result (measured 2026-11-22 on a 2-core CPU, 2 processes, 23 samples, batch 4): ranks get 12
 samples each per epoch, disjoint apart from the one sample repeated to fill the last
 batch; the order changes every epoch and is identical on every run with the same seed.
 """

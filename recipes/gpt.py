@@ -67,8 +67,9 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, stopped
-from common import (MetricsLog, Window, check_batch, check_deepspeed_flags, check_launch, engine, fail, finish,
-                    footprint, printer, resumable_epochs, stepping_optimizer, write_summary)
+from common import (MetricsLog, Window, check_batch, check_deepspeed_flags, check_launch,
+                    deepspeed_clip_like, engine, fail, finish, footprint, printer, resumable_epochs,
+                    stepping_optimizer, write_summary)
 
 # name: (layers, heads, d_model, context length)
 PRESETS = {"tiny": (2, 2, 64, 64), "124M": (12, 12, 768, 1024), "350M": (24, 16, 1024, 1024),
@@ -178,10 +179,11 @@ def load_blocks(args, accelerator, block_size):
                               f"with local text files, or no data flag for the standard library's sources.")
         tokens = texts.map(tokenize, batched=True, remove_columns=texts.column_names, desc="tokenising")
         blocks = tokens.map(pack, batched=True, batch_size=256, desc="packing")
+        if len(blocks) >= 50:
+            split = blocks.train_test_split(test_size=0.02, seed=0)  # cached too: same split on every rank
     if len(blocks) < 50:
         fail(accelerator, f"{source!r} gives only {len(blocks)} blocks of {block_size + 1} bytes; give more text "
                           f"or a smaller --block-size")
-    split = blocks.train_test_split(test_size=0.02, seed=0)
     return split["train"].with_format("torch"), split["test"].with_format("torch"), source
 
 
@@ -249,6 +251,7 @@ def main(argv=None):
         progress = (step - args.warmup_steps) / max(total_steps - args.warmup_steps, 1)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(adamw, schedule)
+    deepspeed_clip_like(accelerator, args.max_grad_norm)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, adamw, train_loader, val_loader, scheduler)
     check_deepspeed_flags(accelerator, args.grad_accum, args.max_grad_norm)

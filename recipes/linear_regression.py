@@ -39,12 +39,12 @@ import time
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, stopped
-from common import (MetricsLog, check_batch, check_launch, engine, fail, finish, printer, resumable_epochs,
-                    stepping_optimizer, write_summary)
+from common import (MetricsLog, check_batch, check_launch, deepspeed_clip_like, engine, fail,
+                    finish, printer, resumable_epochs, stepping_optimizer, write_summary)
 
 
 def parse_args(argv=None):
@@ -141,6 +141,7 @@ def main(argv=None):
         model.bias.fill_(args.init_n)
     world = accelerator.num_processes
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr * (world if args.scale_lr else 1))
+    deepspeed_clip_like(accelerator, 0.0)  # the lab is plain SGD: no clipping
     model, optimizer, loader = accelerator.prepare(model, sgd, loader)
     optimizer_name = stepping_optimizer(optimizer, sgd)
     steps_per_epoch, total_steps = len(loader), len(loader) * args.epochs
@@ -149,9 +150,11 @@ def main(argv=None):
         f"{args.batch_size} ({args.batch_size // world} per process) | {total_steps} steps")
 
     def current_line(model):
-        # Collective: under ZeRO-3 and FSDP each rank holds only a shard of (m, n).
+        # Collective: under ZeRO-3 and FSDP each rank holds only a shard of (m, n), and the gathered
+        # weights reach the main process only; it passes them on, so every rank logs the same line.
         state = accelerator.get_state_dict(model)
-        return state["weight"].float().item(), state["bias"].float().item()
+        line = [state["weight"].item(), state["bias"].item()] if accelerator.is_main_process else [0.0, 0.0]
+        return tuple(broadcast(torch.tensor(line, dtype=torch.float64, device=accelerator.device)).tolist())
 
     checkpointer = Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={
         k: getattr(args, k) for k in ("num_points", "true_m", "true_n", "noise", "batch_size", "lr", "scale_lr",

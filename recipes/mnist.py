@@ -53,9 +53,9 @@ from torchvision.datasets import MNIST
 from tqdm import tqdm
 
 from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, stopped
-from common import (Window, MetricsLog, cast_buffers_for_half_precision, check_batch, check_deepspeed_flags,
-                    check_launch, engine, fail, finish, footprint, printer, resumable_epochs, stepping_optimizer,
-                    write_summary)
+from common import (MetricsLog, Window, cast_buffers_for_half_precision, check_batch,
+                    check_deepspeed_flags, check_launch, deepspeed_clip_like, engine, fail, finish,
+                    footprint, printer, resumable_epochs, stepping_optimizer, write_summary)
 from synthetic_mnist import write_synthetic_mnist
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -188,6 +188,7 @@ def main(argv=None):
     total_steps = steps_per_epoch * args.epochs
     total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total_steps, 1))
+    deepspeed_clip_like(accelerator, args.max_grad_norm)
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler)
     check_deepspeed_flags(accelerator, args.grad_accum, args.max_grad_norm)

@@ -50,8 +50,9 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, ignore_stop_signals, stopped
-from common import (MetricsLog, Window, cast_buffers_for_half_precision, check_batch, check_launch, engine, fail,
-                    finish, footprint, printer, resumable_epochs, stepping_optimizer, write_summary)
+from common import (MetricsLog, Window, cast_buffers_for_half_precision, check_batch, check_deepspeed_flags, check_launch,
+                    deepspeed_clip_like, engine, fail, finish, footprint, printer, resumable_epochs,
+                    stepping_optimizer, write_summary)
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics, fine for CIFAR too
 
@@ -67,6 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=256, help="GLOBAL batch, split across all processes")
     p.add_argument("--lr", type=float, default=0.1, help="peak SGD learning rate (cosine decay to 0)")
     p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--max-grad-norm", type=float, default=0.0, help="gradient clipping (0: none, the usual for ResNets)")
     p.add_argument("--num-workers", type=int, default=4, help="decoding processes per training process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20, help="print a progress line every N steps")
@@ -162,8 +164,10 @@ def main(argv=None):
     total_steps = steps_per_epoch * args.epochs
     total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=max(total_steps, 1))
+    deepspeed_clip_like(accelerator, args.max_grad_norm)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, sgd, train_loader, val_loader, scheduler)
+    check_deepspeed_flags(accelerator, 1, args.max_grad_norm)
     optimizer_name = stepping_optimizer(optimizer, sgd, scheduler)
     cast_buffers_for_half_precision(accelerator, model)
     input_dtype = next(model.parameters()).dtype  # bf16 under DeepSpeed bf16, else fp32 (autocast casts)
@@ -175,7 +179,7 @@ def main(argv=None):
 
     checkpointer = Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={
         "source": source, "train_images": len(train_set), "total_steps": total_steps, "image_size": size,
-        **{k: getattr(args, k) for k in ("arch", "batch_size", "lr", "weight_decay", "seed")}})
+        **{k: getattr(args, k) for k in ("arch", "batch_size", "lr", "weight_decay", "max_grad_norm", "seed")}})
     progress = {"epoch": 0, "step_in_epoch": 0, "step": 0, "first_loss": None, "data_time": 0.0,
                 "compute_time": 0.0, "train_time": 0.0}
     progress.update(checkpointer.resume(args.resume) or {})
@@ -193,6 +197,8 @@ def main(argv=None):
             window.data_ready()
             loss = F.cross_entropy(model(to_input(images)).float(), labels)
             accelerator.backward(loss)
+            if args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,13 +78,14 @@ def cpu_route(config_name):
 def launch_command(config, data_dir, out_dir, *recipe_args, launch_args=(), recipe="recipes/mnist.py"):
     """(command, environment) of an `accelerate launch` of `recipe` under `config` on this machine."""
     route_args, route_env = cpu_route(config)
+    data = ["--data-dir", str(data_dir)] if recipe.endswith("mnist.py") else []
     cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), *route_args, *launch_args,
-           recipe, "--data-dir", str(data_dir), "--output-dir", str(out_dir), *DATA_ARGS, *recipe_args]
+           recipe, *data, "--output-dir", str(out_dir), *(DATA_ARGS if data else []), *recipe_args]
     return cmd, route_env
 
 
-def recipe_processes(marker):
-    """PIDs of the training processes (not launchers) whose command line holds `marker`."""
+def recipe_processes(marker, recipe="mnist.py"):
+    """PIDs of the recipe's processes (not launchers; DataLoader workers included) whose command line holds `marker`."""
     pids = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -91,9 +93,24 @@ def recipe_processes(marker):
         except OSError:
             continue
         # python -u recipes/mnist.py ...: not the batch shell, srun, slurm_launch or accelerate launch
-        if marker in argv and Path(argv[0]).name.startswith("python") and any(a.endswith("mnist.py") for a in argv[1:3]):
+        if marker in argv and Path(argv[0]).name.startswith("python") and any(a.endswith(recipe) for a in argv[1:3]):
             pids.append(int(entry))
     return pids
+
+
+# What must really run on this machine under each config: (distributed type, world size, ZeRO stage,
+# parameters sharded). The GPU configs' MULTI_GPU becomes MULTI_CPU on the CPU route.
+EXPECTED = {
+    "cpu.yaml": ("NO", 1, None, False),
+    "1gpu.yaml": ("NO", 1, None, False),
+    "2gpu.yaml": ("MULTI_CPU", 2, None, False),
+    "multinode.yaml": ("MULTI_CPU", 2, None, False),
+    "deepspeed_zero1.yaml": ("DEEPSPEED", 2, 1, False),
+    "deepspeed_zero2.yaml": ("DEEPSPEED", 2, 2, False),
+    "deepspeed_zero3.yaml": ("DEEPSPEED", 2, 3, True),
+    "deepspeed_zero3_offload.yaml": ("DEEPSPEED", 2, 3, True),
+    "fsdp.yaml": ("FSDP", 2, None, True),
+}
 
 
 @dataclass
@@ -180,3 +197,90 @@ def reference(launch, tmp_path_factory):
         return launch(config, *TRAINING, *extra, "--checkpoint-dir", str(ckpt), launch_args=FP32), ckpt
 
     return _reference
+
+
+class Background:
+    """A launch running in its own session, its output in a file."""
+
+    def __init__(self, cmd, env, log_path, recipe="mnist.py"):
+        self.log_path, self.recipe = log_path, recipe
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.marker = str(log_path.parent)  # the output dir is on every process's command line
+
+    @property
+    def output(self):
+        return self.log_path.read_text()
+
+    def workers(self):
+        """PIDs of the recipe processes (not the launcher; DataLoader workers included) of this run."""
+        return recipe_processes(self.marker, self.recipe)
+
+    def leftovers(self):
+        """Every live process of this run, launcher included (zombies do not count)."""
+        alive = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().decode(errors="replace")
+                with open(f"/proc/{entry}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if self.marker in argv and state != "Z":
+                alive.append(int(entry))
+        return alive
+
+    def wait_until(self, condition, what, deadline=300):
+        end = time.monotonic() + deadline
+        while not condition():
+            if self.proc.poll() is not None:
+                pytest.fail(f"the run ended ({self.proc.returncode}) before {what}:\n{self.output[-4000:]}")
+            if time.monotonic() > end:
+                pytest.fail(f"no {what} after {deadline}s:\n{self.output[-4000:]}")
+            time.sleep(0.05)
+
+    def steps_logged(self):
+        path = self.log_path.parent / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def finish(self, deadline=300):
+        """Wait for the launcher; note which processes outlived it (self.left), then kill those."""
+        try:
+            return self.proc.wait(timeout=deadline)
+        finally:
+            self.left = self.leftovers()
+            for pid in self.left:
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def start(data_dir, tmp_path):
+    runs = []
+
+    def _start(config, *recipe_args, env=None, name="run", recipe="recipes/mnist.py"):
+        out_dir = tmp_path / name
+        out_dir.mkdir()
+        cmd, route_env = launch_command(config, data_dir, out_dir, *recipe_args, launch_args=FP32, recipe=recipe)
+        run = Background(cmd, {**route_env, **(env or {})}, out_dir / "launch.log", os.path.basename(recipe))
+        runs.append(run)
+        return run
+
+    yield _start
+    for run in runs:  # never leave a process behind, whatever the test did
+        if run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+        run.finish(deadline=60)
+
+
+def frozen(pids):
+    """Stop the processes so a signal sent now is handled at a known step, not after training ended."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+
+
+def thawed(pids):
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)

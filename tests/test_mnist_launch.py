@@ -3,23 +3,10 @@
 import pytest
 import torch
 
-from conftest import ALL_CONFIGS, CONFIG_DIR, TEST_SIZE, load_yaml
+from conftest import ALL_CONFIGS, CONFIG_DIR, EXPECTED, TEST_SIZE, load_yaml
 
 pytestmark = pytest.mark.slow
 
-# What must really run on this machine: (distributed type, world size, ZeRO stage, parameters sharded).
-# The GPU configs' MULTI_GPU becomes MULTI_CPU on the CPU route; the rest is what a GPU would run.
-EXPECTED = {
-    "cpu.yaml": ("NO", 1, None, False),
-    "1gpu.yaml": ("NO", 1, None, False),
-    "2gpu.yaml": ("MULTI_CPU", 2, None, False),
-    "multinode.yaml": ("MULTI_CPU", 2, None, False),
-    "deepspeed_zero1.yaml": ("DEEPSPEED", 2, 1, False),
-    "deepspeed_zero2.yaml": ("DEEPSPEED", 2, 2, False),
-    "deepspeed_zero3.yaml": ("DEEPSPEED", 2, 3, True),
-    "deepspeed_zero3_offload.yaml": ("DEEPSPEED", 2, 3, True),
-    "fsdp.yaml": ("FSDP", 2, None, True),
-}
 FP32 = ["--mixed_precision", "no"]  # exact comparisons need fp32; bf16 on CPU is also 7x slower
 SHORT = ("--max-steps", "8", "--log-every", "1")
 

@@ -13,97 +13,10 @@ import time
 
 import pytest
 
-from conftest import FP32, REPO, TRAINING, Run, launch_command, recipe_processes
+from conftest import FP32, REPO, TRAINING, Run, frozen, thawed
 from test_checkpoint_resume import assert_identical_params, assert_same_steps
 
 pytestmark = pytest.mark.slow
-
-
-class Background:
-    """A launch running in its own session, its output in a file."""
-
-    def __init__(self, cmd, env, log_path):
-        self.log_path = log_path
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        self.marker = str(log_path.parent)  # the output dir is on every process's command line
-
-    @property
-    def output(self):
-        return self.log_path.read_text()
-
-    def workers(self):
-        """PIDs of the recipe processes (not the launcher) of this run."""
-        return recipe_processes(self.marker)
-
-    def leftovers(self):
-        """Every live process of this run, launcher included (zombies do not count)."""
-        alive = []
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    argv = f.read().decode(errors="replace")
-                with open(f"/proc/{entry}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if self.marker in argv and state != "Z":
-                alive.append(int(entry))
-        return alive
-
-    def wait_until(self, condition, what, deadline=300):
-        end = time.monotonic() + deadline
-        while not condition():
-            if self.proc.poll() is not None:
-                pytest.fail(f"the run ended ({self.proc.returncode}) before {what}:\n{self.output[-4000:]}")
-            if time.monotonic() > end:
-                pytest.fail(f"no {what} after {deadline}s:\n{self.output[-4000:]}")
-            time.sleep(0.05)
-
-    def steps_logged(self):
-        path = self.log_path.parent / "metrics.jsonl"
-        return len(path.read_text().splitlines()) if path.exists() else 0
-
-    def finish(self, deadline=300):
-        """Wait for the launcher; note which processes outlived it (self.left), then kill those."""
-        try:
-            return self.proc.wait(timeout=deadline)
-        finally:
-            self.left = self.leftovers()
-            for pid in self.left:
-                os.kill(pid, signal.SIGKILL)
-
-
-@pytest.fixture
-def start(data_dir, tmp_path):
-    runs = []
-
-    def _start(config, *recipe_args, env=None, name="run"):
-        out_dir = tmp_path / name
-        out_dir.mkdir()
-        cmd, route_env = launch_command(config, data_dir, out_dir, *recipe_args, launch_args=FP32)
-        run = Background(cmd, {**route_env, **(env or {})}, out_dir / "launch.log")
-        runs.append(run)
-        return run
-
-    yield _start
-    for run in runs:  # never leave a process behind, whatever the test did
-        if run.proc.poll() is None:
-            os.killpg(run.proc.pid, signal.SIGKILL)
-        run.finish(deadline=60)
-
-
-def frozen(pids):
-    """Stop the processes so a signal sent now is handled at a known step, not after training ended."""
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-
-
-def thawed(pids):
-    for pid in pids:
-        os.kill(pid, signal.SIGCONT)
 
 
 def test_signal_to_one_rank_stops_all_and_resume_is_exact(start, launch, reference, tmp_path):
