@@ -43,10 +43,13 @@ gets 13B going. The names are the GPT-2/GPT-3 shapes; with 256 byte tokens inste
 50k BPE tokens the models are smaller than their names. These are estimates; no GPU
 was available to measure them (the recipe prints its own estimate when it starts).
 
-Results (measured 2026-11-22 on a 2-core CPU machine without GPU, fp32): preset tiny,
-a generated text file, global batch 16: the loss falls from 5.6 to 1.6 in 200 steps;
-DDP, ZeRO-2 and ZeRO-3 give the same losses step by step (tests/), and under ZeRO-3
-each rank holds half of the parameters. No GPU figures: none was available.
+Results (measured 2026-11-22 on a 2-core CPU machine without GPU, fp32):
+`python recipes/gpt.py --preset tiny --max-steps 200` (the standard library's sources,
+71k blocks of 64 bytes, global batch 32) takes the loss from 5.41 to 2.74 (validation
+2.74) at 23k tokens/s on one core; the sample is still byte soup with Python's
+indentation. DDP, ZeRO-1/2/3 and FSDP follow the 1-process losses step by step
+(tests/), and under ZeRO-3 each rank holds half of the parameters. No GPU figures:
+none was available.
 """
 
 import argparse

@@ -24,9 +24,10 @@ and with --compare-batch-sizes the paths of batch size 1, this mini-batch and th
 batch computed on the main process for comparison, as in the lab.
 
 Results (defaults: 1024 points of y = 2x - 1 + N(0, 0.5^2), global batch 32, SGD lr 0.1,
-5 epochs; measured 2026-11-22 on a 2-core CPU machine without GPU, fp32): m = 2.01,
-n = -0.98 after 160 steps, against the least-squares fit m = 2.00, n = -0.99; the
-same (m, n) at every step on 1 process and on 2 (DDP, ZeRO-1/2/3, FSDP).
+5 epochs; measured 2026-11-22 on a 2-core CPU machine without GPU, fp32): m = 1.99,
+n = -0.98 after 160 steps, against the least-squares fit m = 2.01, n = -1.00 (full-data
+loss 0.2556 vs 0.2551: SGD's noise at a fixed rate); the same (m, n) at every step on
+1 process and on 2 (DDP, ZeRO-1/2/3, FSDP), as tests/ check.
 Not for deepspeed_zero3_offload.yaml: optimizer offload replaces SGD by DeepSpeed's CPU Adam.
 """
 

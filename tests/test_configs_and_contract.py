@@ -97,3 +97,15 @@ def test_recipe_docstring_gives_commands_and_results(recipe):
     doc = ast.get_docstring(ast.parse(recipe.read_text()))
     assert "accelerate launch --config_file accelerate_configs/" in doc
     assert re.search(r"measured\s+2026-\d\d-\d\d", doc), "say what the recipe reaches and where it was measured"
+
+
+@pytest.mark.parametrize("command, message", [
+    (["recipes/pi.py", "--intervals", "many"], "--intervals 'many': give whole numbers"),
+    (["recipes/gpt.py", "--preset", "tiny", "--data-files", "/nonexistent/*.txt"],
+     "error: --data-files '/nonexistent/*.txt' matches no file"),
+])
+def test_recipe_input_errors_are_one_clear_line(command, message, tmp_path):
+    result = subprocess.run([sys.executable, *command, "--output-dir", str(tmp_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
