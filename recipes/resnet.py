@@ -12,7 +12,9 @@ CIFAR-10 in --data-dir, downloaded when possible. JPEG/PNG decoding and augmenta
 in --num-workers DataLoader processes per training process, with pinned memory and
 workers that persist across epochs. Images of 64 pixels or less get the usual CIFAR stem
 (3x3 first convolution, no max-pool): ImageNet's stride-4 stem would leave a 1x1 map.
-On a GPU the model and the inputs are channels_last, and the configs' bf16 applies.
+--arch picks any torchvision ResNet; by default resnet18 for CIFAR-size images (up to
+64 px) and resnet50 for ImageNet-size ones. On a GPU the model and the inputs are
+channels_last, and the configs' bf16 applies.
 
 Data-bound or compute-bound? Every progress line splits the time per step into
 "data" (the training loop blocked, waiting for the loader's next batch) and "compute"
@@ -61,7 +63,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data-dir", default="data/cifar10",
                    help="a folder with train/ and val/ class subfolders, or where CIFAR-10 is (or goes)")
-    p.add_argument("--arch", default="resnet18", help="any torchvision ResNet: resnet18 ... resnet152, wide_resnet50_2")
+    p.add_argument("--arch", default="", help="any torchvision ResNet: resnet18 ... resnet152, wide_resnet50_2 "
+                                            "(default: resnet18 up to 64 px images, resnet50 above)")
     p.add_argument("--image-size", type=int, default=0, help="training crop (0: 32 for CIFAR-10, 224 for folders)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
@@ -153,6 +156,7 @@ def main(argv=None):
                          worker_init_fn=functools.partial(ignore_stop_signals, args.stop_signals))
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True, **loader_kwargs)
     val_loader = DataLoader(val_set, batch_size=args.batch_size, **loader_kwargs)
+    args.arch = args.arch or ("resnet18" if size <= 64 else "resnet50")
     try:
         model = build_model(args.arch, len(classes), size)
     except ValueError:
