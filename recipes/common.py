@@ -4,6 +4,7 @@ The recipes stay plain PyTorch; these helpers only report, check and tidy up:
   * fail / check_launch: one clear error from the main process, a non-zero exit everywhere;
   * engine: what accelerate really set up (DeepSpeed stage, offload, sharding);
   * stepping_optimizer: the optimizer that really steps (DeepSpeed offload swaps it);
+  * deepspeed_clip_like / refuse_optimizer_offload: DeepSpeed does what the recipe's flags say, or nothing;
   * resumable_epochs: the epoch loop that a resumed run re-enters mid-epoch, exactly;
   * Window / MetricsLog: timed progress lines and metrics.jsonl (main process only);
   * footprint / write_summary / finish: the end of a run.
@@ -82,6 +83,14 @@ def deepspeed_clip_like(accelerator, max_grad_norm):
     ds = deepspeed_config(accelerator)
     if ds and ds.get("gradient_clipping", "auto") == "auto":
         ds["gradient_clipping"] = float(max_grad_norm)
+
+
+def refuse_optimizer_offload(accelerator, why, instead):
+    """For recipes built on SGD: under DeepSpeed optimizer offload, prepare() silently replaces whatever
+    torch optimizer the recipe made by DeepSpeed's CPU Adam. Stop before that, with one line."""
+    if engine(accelerator)["offload_optimizer"]:
+        fail(accelerator, f"{why}: DeepSpeed optimizer offload silently replaces SGD by its CPU Adam; "
+                          f"use {instead} instead.")
 
 
 def check_deepspeed_flags(accelerator, grad_accum, max_grad_norm):

@@ -44,8 +44,9 @@ from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, stopped
-from common import (MetricsLog, check_batch, check_launch, deepspeed_clip_like, engine, fail,
-                    finish, printer, resumable_epochs, stepping_optimizer, write_summary)
+from common import (MetricsLog, check_batch, check_launch, deepspeed_clip_like, engine, finish,
+                    printer, refuse_optimizer_offload, resumable_epochs, stepping_optimizer,
+                    write_summary)
 
 
 def parse_args(argv=None):
@@ -129,9 +130,7 @@ def main(argv=None):
     check_launch(accelerator)
     log = printer(accelerator)
     setup = engine(accelerator)
-    if setup["offload_optimizer"]:
-        fail(accelerator, "this lab is about SGD, and DeepSpeed optimizer offload silently replaces SGD by its CPU "
-                          "Adam: use deepspeed_zero3.yaml (or any config without offload) instead.")
+    refuse_optimizer_offload(accelerator, "this lab is about SGD", "deepspeed_zero3.yaml (or any config without offload)")
     check_batch(accelerator, args.batch_size)
     set_seed(args.seed)
     x, y = make_points(args)

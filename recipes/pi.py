@@ -24,7 +24,6 @@ The value agrees to 1e-12 relative on 1, 2 and 3 processes (tests/).
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -90,7 +89,7 @@ def main(argv=None):
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
         write_summary(args.output_dir, {"recipe": "pi", **engine(accelerator), "results": results,
-                                        "args": json.loads(json.dumps(vars(args)))})
+                                        "args": vars(args)})
     finish(accelerator)
     return 0
 

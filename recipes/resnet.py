@@ -52,8 +52,9 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, ignore_stop_signals, stopped
-from common import (MetricsLog, Window, cast_buffers_for_half_precision, check_batch, check_deepspeed_flags, check_launch,
-                    deepspeed_clip_like, engine, fail, finish, footprint, printer, resumable_epochs,
+from common import (MetricsLog, Window, cast_buffers_for_half_precision, check_batch,
+                    check_deepspeed_flags, check_launch, deepspeed_clip_like, engine, fail, finish,
+                    footprint, printer, refuse_optimizer_offload, resumable_epochs,
                     stepping_optimizer, write_summary)
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics, fine for CIFAR too
@@ -143,9 +144,8 @@ def main(argv=None):
     check_launch(accelerator)
     log = printer(accelerator)
     setup = engine(accelerator)
-    if setup["offload_optimizer"]:
-        fail(accelerator, "ResNet trains with SGD and momentum, and DeepSpeed optimizer offload silently replaces it "
-                          "by its CPU Adam; a ResNet fits on a GPU without offload: use deepspeed_zero2.yaml.")
+    refuse_optimizer_offload(accelerator, "ResNet trains with SGD and momentum, and fits on a GPU without offload",
+                             "deepspeed_zero2.yaml")
     world = accelerator.num_processes
     check_batch(accelerator, args.batch_size)
     set_seed(args.seed)
