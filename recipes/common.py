@@ -6,7 +6,8 @@ The recipes stay plain PyTorch; these helpers only report, check and tidy up:
   * stepping_optimizer: the optimizer that really steps (DeepSpeed offload swaps it);
   * deepspeed_clip_like / refuse_optimizer_offload: DeepSpeed does what the recipe's flags say, or nothing;
   * resumable_epochs: the epoch loop that a resumed run re-enters mid-epoch, exactly;
-  * Window / MetricsLog: timed progress lines and metrics.jsonl (main process only);
+  * Window / MetricsLog: timed progress lines (data / forward+backward / optimizer) and metrics.jsonl;
+  * --report-to / --profile: accelerate's TensorBoard tracker, curves.png, a torch.profiler trace;
   * footprint / write_summary / finish: the end of a run.
 """
 
@@ -142,56 +143,148 @@ def resumable_epochs(accelerator, loader, progress, epochs, steps_per_epoch, gra
 
 
 class Window:
-    """Loss and the time split between waiting for data and computing, since the last progress line.
+    """Loss and the time split between waiting for data, forward+backward and the optimizer step,
+    since the last progress line.
 
     total_data / total_compute keep the whole run's split (seeded from a checkpoint on resume).
+    timing() is the steady state of this process for benchmarks: everything after its first
+    micro-batch (which pays for lazy initialisation). On a GPU each mark synchronises the device,
+    or asynchronous kernels would be counted in whichever phase happens to wait for them.
+    Under DeepSpeed the optimizer step runs inside accelerator.backward(), so it is counted there.
     """
 
     def __init__(self, accelerator, total_data=0.0, total_compute=0.0):
         self.accelerator = accelerator
         self.total_data, self.total_compute = total_data, total_compute
+        cuda = accelerator.device.type == "cuda"
+        self.sync = (lambda: torch.cuda.synchronize(accelerator.device)) if cuda else (lambda: None)
+        self.first_step_at = None  # wall-clock time of this process's first finished micro-batch
+        self.steady = {"micro_batches": 0, "data": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
         self.reset()
 
     def reset(self):
-        self.data = self.compute = 0.0
+        self.data = self.forward_backward = self.optimizer = 0.0
         self.micro = 0
         self.loss = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         self.mark = time.perf_counter()
+        self.phases = {}
+
+    def _lap(self, phase):
+        self.sync()
+        now = time.perf_counter()
+        self.phases[phase] = now - self.mark
+        self.mark = now
+        return self.phases[phase]
 
     def data_ready(self):
         """Call when the loader has handed over a batch: the time since the last mark was spent waiting."""
-        now = time.perf_counter()
-        self.data += now - self.mark
-        self.total_data += now - self.mark
-        self.mark = now
+        waited = self._lap("data")
+        self.data += waited
+        self.total_data += waited
+
+    def backward_done(self):
+        """Call after accelerator.backward(): the time since data_ready was forward + backward."""
+        self.forward_backward += self._lap("forward_backward")
 
     def step_done(self, loss):
-        now = time.perf_counter()
-        self.compute += now - self.mark
-        self.total_compute += now - self.mark
-        self.mark = now
+        """Call after optimizer.zero_grad(): the time since backward_done was the optimizer step."""
+        if "forward_backward" in self.phases:
+            self.optimizer += self._lap("optimizer")
+        else:  # a recipe that does not call backward_done: all of it counts as forward+backward
+            self.forward_backward += self._lap("forward_backward")
+            self.phases["optimizer"] = 0.0
+        self.total_compute += self.phases["forward_backward"] + self.phases["optimizer"]
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+        else:
+            self.steady["micro_batches"] += 1
+            for phase in ("data", "forward_backward", "optimizer"):
+                self.steady[phase] += self.phases[phase]
+        self.phases = {}
         self.micro += 1
         self.loss += loss.detach()
 
     def record(self, samples_per_micro, **extra):
         """Collective (the loss is averaged over ranks): this window's metrics; then a new window starts."""
-        elapsed, micro = max(self.data + self.compute, 1e-9), max(self.micro, 1)
+        compute = self.forward_backward + self.optimizer
+        elapsed, micro = max(self.data + compute, 1e-9), max(self.micro, 1)
         record = {**extra, "loss": self.accelerator.reduce(self.loss / micro, "mean").item(),
                   "samples_per_s": self.micro * samples_per_micro / elapsed,
-                  "data_ms": 1000 * self.data / micro, "compute_ms": 1000 * self.compute / micro,
-                  "data_fraction": self.data / elapsed}
+                  "data_ms": 1000 * self.data / micro, "compute_ms": 1000 * compute / micro,
+                  "forward_backward_ms": 1000 * self.forward_backward / micro,
+                  "optimizer_ms": 1000 * self.optimizer / micro, "data_fraction": self.data / elapsed}
         self.reset()
         return record
 
+    def timing(self, samples_per_micro, unit="samples"):
+        """This process's steady state (after its first micro-batch), for the summary and bench/."""
+        n = max(self.steady["micro_batches"], 1)
+        total = self.steady["data"] + self.steady["forward_backward"] + self.steady["optimizer"]
+        return {"micro_batches": self.steady["micro_batches"], "first_step_at": self.first_step_at,
+                **{f"{phase}_ms": 1000 * self.steady[phase] / n for phase in ("data", "forward_backward", "optimizer")},
+                f"{unit}_per_s": self.steady["micro_batches"] * samples_per_micro / max(total, 1e-9),
+                "data_fraction": self.steady["data"] / max(total, 1e-9),
+                "optimizer_in_backward": self.accelerator.distributed_type == DistributedType.DEEPSPEED}
+
+
+def add_observability_args(parser):
+    parser.add_argument("--report-to", choices=["none", "png", "tensorboard"], default="none",
+                        help="tensorboard: log the metrics with accelerate's TensorBoard tracker into "
+                             "OUTPUT_DIR/tensorboard and draw OUTPUT_DIR/curves.png; png: only curves.png")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="record a torch.profiler trace of STEPS optimizer steps (after 2 warm-up steps) into "
+                             "OUTPUT_DIR/profile, one file per rank, for Perfetto or TensorBoard")
+
+
+def tracking(args):
+    """Accelerator(**tracking(args)): accelerate's own tracker for --report-to tensorboard."""
+    return {"log_with": "tensorboard" if args.report_to == "tensorboard" else None, "project_dir": args.output_dir}
+
+
+def start_tracking(accelerator, args):
+    """Collective-free; the tracker lives on the main process. Hyper-parameters are the scalar flags."""
+    if args.report_to == "tensorboard":
+        accelerator.init_trackers("tensorboard", config={k: v for k, v in vars(args).items()
+                                                         if isinstance(v, (int, float, str, bool))})
+
+
+class StepProfiler:
+    """--profile STEPS: torch.profiler over STEPS optimizer steps, after one skipped and one warm-up step.
+
+    Every rank writes its own trace (OUTPUT_DIR/profile/rank<R>.*.pt.trace.json): open it in
+    https://ui.perfetto.dev or chrome://tracing, or in TensorBoard with the torch-tb-profiler plugin.
+    """
+
+    def __init__(self, accelerator, steps, output_dir):
+        self.profiler, self.directory = None, os.path.join(output_dir, "profile")
+        if steps > 0:
+            from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if accelerator.device.type == "cuda" else [])
+            self.profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
+                                    on_trace_ready=tensorboard_trace_handler(
+                                        self.directory, worker_name=f"rank{accelerator.process_index}"))
+            self.profiler.start()
+
+    def step(self):
+        """Call once per optimizer step."""
+        if self.profiler:
+            self.profiler.step()
+
+    def stop(self):
+        if self.profiler:
+            self.profiler.stop()  # a trace still recording is written now
+            self.profiler = None
+
 
 class MetricsLog:
-    """metrics.jsonl on the main process; after a resume it keeps exactly the steps the checkpoint holds."""
+    """A JSON-lines log on the main process (metrics.jsonl, eval.jsonl), mirrored to the tracker of
+    --report-to; after a resume it keeps exactly the steps the checkpoint holds."""
 
-    def __init__(self, accelerator, output_dir, resumed_step):
+    def __init__(self, accelerator, output_dir, resumed_step, name="metrics.jsonl"):
         os.makedirs(output_dir, exist_ok=True)
-        self.file = None
+        self.accelerator, self.file = accelerator, None
         if accelerator.is_main_process:
-            path = os.path.join(output_dir, "metrics.jsonl")
+            path = os.path.join(output_dir, name)
             kept = ([line for line in open(path) if json.loads(line)["step"] <= resumed_step]
                     if resumed_step and os.path.exists(path) else [])
             self.file = open(path, "w")
@@ -201,10 +294,49 @@ class MetricsLog:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+            scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "epoch")}
+            if self.accelerator.trackers:
+                self.accelerator.log(scalars, step=record["step"])
 
     def close(self):
         if self.file:
             self.file.close()
+            self.file = None
+
+
+def plot_curves(output_dir, title):
+    """Main process: OUTPUT_DIR/curves.png, the loss and accuracy curves drawn from the JSON logs,
+    for those who do not run TensorBoard."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display on a compute node
+    import matplotlib.pyplot as plt
+
+    def read(name):
+        path = os.path.join(output_dir, name)
+        return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    train, evals = read("metrics.jsonl"), read("eval.jsonl")
+    loss_key = next((k for k in ("loss", "batch_loss") if train and k in train[0]), None)
+    accuracy_keys = [k for k in ("test_accuracy", "val_accuracy") if any(k in e for e in evals)]
+    eval_loss_keys = [k for k in ("test_loss", "val_loss") if any(k in e for e in evals + train)]
+    fig, axes = plt.subplots(1, 2 if accuracy_keys else 1, figsize=(11 if accuracy_keys else 6, 4), squeeze=False)
+    ax = axes[0][0]
+    if loss_key:
+        ax.plot([r["step"] for r in train], [r[loss_key] for r in train], label=f"train {loss_key}")
+    for key in eval_loss_keys:
+        points = [(r["step"], r[key]) for r in evals + train if key in r]
+        ax.plot(*zip(*sorted(points)), "o-", label=key.replace("_", " "))
+    ax.set(xlabel="optimizer step", ylabel="loss", title=title)
+    ax.legend()
+    for key in accuracy_keys:
+        points = [(r["step"], 100 * r[key]) for r in evals if key in r]
+        axes[0][1].plot(*zip(*points), "o-", label=key.replace("_", " "))
+        axes[0][1].set(xlabel="optimizer step", ylabel="accuracy (%)", title=title)
+        axes[0][1].legend()
+    fig.tight_layout()
+    path = os.path.join(output_dir, "curves.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def peak_memory_mb(accelerator):
@@ -232,6 +364,7 @@ def footprint(accelerator, model):
     per_rank = accelerator.gather(torch.tensor([peak_memory_mb(accelerator), *held_parameters(model)],
                                                dtype=torch.float64, device=accelerator.device)).view(world, 3)
     return {"peak_memory_mb": per_rank[:, 0].max().item(),
+            "peak_memory_mb_per_rank": per_rank[:, 0].tolist(),
             "peak_memory_kind": "cuda_allocated" if accelerator.device.type == "cuda" else "cpu_max_rss",
             "param_elements_per_rank": [int(n) for n in per_rank[:, 1].tolist()],
             "param_checksum_per_rank": per_rank[:, 2].tolist()}  # equal on every rank unless sharded

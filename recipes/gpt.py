@@ -70,9 +70,9 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, stopped
-from common import (MetricsLog, Window, check_batch, check_deepspeed_flags, check_launch,
-                    deepspeed_clip_like, engine, fail, finish, footprint, printer, resumable_epochs,
-                    stepping_optimizer, write_summary)
+from common import (MetricsLog, StepProfiler, Window, add_observability_args, check_batch, check_deepspeed_flags,
+                    check_launch, deepspeed_clip_like, engine, fail, finish, footprint, plot_curves, printer,
+                    resumable_epochs, start_tracking, stepping_optimizer, tracking, write_summary)
 
 # name: (layers, heads, d_model, context length)
 PRESETS = {"tiny": (2, 2, 64, 64), "124M": (12, 12, 768, 1024), "350M": (24, 16, 1024, 1024),
@@ -108,6 +108,7 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps")
     p.add_argument("--output-dir", default="runs/gpt", help="summary.json, metrics.jsonl, model.safetensors")
     add_checkpoint_args(p)
+    add_observability_args(p)
     return p.parse_args(argv)
 
 
@@ -224,7 +225,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     stopper = GracefulStop(args.stop_signals)
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, dataloader_config=DataLoaderConfiguration(
-        split_batches=True, use_seedable_sampler=True))
+        split_batches=True, use_seedable_sampler=True), **tracking(args))
     check_launch(accelerator)
     log = printer(accelerator)
     world, setup = accelerator.num_processes, engine(accelerator)
@@ -273,6 +274,8 @@ def main(argv=None):
     progress.update(checkpointer.resume(args.resume) or {})
     step, first_loss, val_loss = progress["step"], progress["first_loss"], progress["val_loss"]
     metrics = MetricsLog(accelerator, args.output_dir, step)
+    start_tracking(accelerator, args)
+    profiler = StepProfiler(accelerator, args.profile, args.output_dir)
     window = Window(accelerator, progress["data_time"], progress["compute_time"])
     stopping, record = False, {}
 
@@ -288,6 +291,7 @@ def main(argv=None):
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(ids[:, :-1]).float().reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
                 accelerator.backward(loss)
+                window.backward_done()
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
@@ -297,8 +301,10 @@ def main(argv=None):
             if not accelerator.sync_gradients:
                 continue
             step, step_in_epoch = step + 1, step_in_epoch + 1
+            profiler.step()
             if step % args.log_every == 0 or step in (1, total_steps):
-                record = window.record(micro * block_size, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"])
+                record = window.record(micro * block_size, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"],
+                                       train_time_s=progress["train_time"] + time.perf_counter() - train_start)
                 record["tokens_per_s"] = record.pop("samples_per_s")
                 if args.peak_tflops:
                     record["mfu"] = flops_per_token * record["tokens_per_s"] / (args.peak_tflops * 1e12 * world)
@@ -309,7 +315,8 @@ def main(argv=None):
                 log(f"step {step}/{total_steps} | loss {record['loss']:.4f}"
                     + (f" | val loss {val_loss:.4f}" if "val_loss" in record else "")
                     + f" | {record['tokens_per_s']:.0f} tokens/s" + (f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
-                    + f" | data {record['data_ms']:.1f} ms, compute {record['compute_ms']:.1f} ms per micro-batch")
+                    + f" | per micro-batch: data {record['data_ms']:.1f} ms, forward+backward "
+                      f"{record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms")
             stopping = stopper.agreed(accelerator)
             finished = step_in_epoch == steps_per_epoch
             if args.checkpoint_dir and (stopping or finished or (args.checkpoint_every and step % args.checkpoint_every == 0)):
@@ -322,6 +329,7 @@ def main(argv=None):
         if stopping:
             break
     train_time = progress["train_time"] + time.perf_counter() - train_start
+    profiler.stop()
     if stopping:
         code = stopped(accelerator, stopper, step, args.checkpoint_dir)
         del model, optimizer, scheduler, train_loader, val_loader
@@ -339,6 +347,8 @@ def main(argv=None):
         log(f"sample from {args.prompt!r}:\n{sample}")
         tokens_per_s = (step - progress["step"]) * args.batch_size * block_size / max(train_time - progress["train_time"], 1e-9)
         metrics.close()
+        if args.report_to != "none":
+            log(f"curves: {plot_curves(args.output_dir, f'gpt {args.preset}')}")
         write_summary(args.output_dir, {
             "recipe": "gpt", **setup, "optimizer": optimizer_name, "preset": args.preset, "param_elements": n_params,
             "block_size": block_size, "data_source": source, "train_blocks": len(train_set), "steps": step,
@@ -347,7 +357,7 @@ def main(argv=None):
             "mfu": flops_per_token * tokens_per_s / (args.peak_tflops * 1e12 * world) if args.peak_tflops else None,
             "data_time_s": window.total_data, "compute_time_s": window.total_compute,
             "model_state_gb_per_process_estimate": n_params * bytes_per_param / 1e9, **memory_and_shards,
-            "sample": sample, "wall_time_s": time.perf_counter() - t_start, "args": vars(args)})
+            "timing": window.timing(micro * block_size, "tokens"), "sample": sample, "wall_time_s": time.perf_counter() - t_start, "args": vars(args)})
     del model, optimizer, scheduler, train_loader, val_loader
     finish(accelerator)
     return 0

@@ -44,9 +44,9 @@ from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, stopped
-from common import (MetricsLog, check_batch, check_launch, deepspeed_clip_like, engine, finish,
-                    printer, refuse_optimizer_offload, resumable_epochs, stepping_optimizer,
-                    write_summary)
+from common import (MetricsLog, StepProfiler, add_observability_args, check_batch, check_launch,
+                    deepspeed_clip_like, engine, finish, plot_curves, printer, refuse_optimizer_offload,
+                    resumable_epochs, start_tracking, stepping_optimizer, tracking, write_summary)
 
 
 def parse_args(argv=None):
@@ -69,6 +69,7 @@ def parse_args(argv=None):
                    help="add the trajectories of batch size 1, this batch and the full batch to the plot")
     p.add_argument("--output-dir", default="runs/linear_regression")
     add_checkpoint_args(p)
+    add_observability_args(p)
     return p.parse_args(argv)
 
 
@@ -126,7 +127,8 @@ def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
     stopper = GracefulStop(args.stop_signals)
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
+                              **tracking(args))
     check_launch(accelerator)
     log = printer(accelerator)
     setup = engine(accelerator)
@@ -163,6 +165,8 @@ def main(argv=None):
     progress.update(checkpointer.resume(args.resume) or {})
     step, path = progress["step"], progress["path"]
     metrics = MetricsLog(accelerator, args.output_dir, step)
+    start_tracking(accelerator, args)
+    profiler = StepProfiler(accelerator, args.profile, args.output_dir)
     input_dtype = next(model.parameters()).dtype  # bf16 under DeepSpeed bf16
     stopping, train_start = False, time.perf_counter()
     for epoch, done, batches in resumable_epochs(accelerator, loader, progress, args.epochs, steps_per_epoch):
@@ -173,10 +177,12 @@ def main(argv=None):
             optimizer.step()
             optimizer.zero_grad()
             step, step_in_epoch = step + 1, step_in_epoch + 1
+            profiler.step()
             m, n = current_line(model)
             path.append([m, n])
             batch_loss = accelerator.reduce(loss.detach(), "mean").item()
-            metrics.write({"step": step, "epoch": epoch, "m": m, "n": n, "batch_loss": batch_loss})
+            metrics.write({"step": step, "epoch": epoch, "m": m, "n": n, "batch_loss": batch_loss,
+                           "lr": optimizer.param_groups[0]["lr"]})
             if step % args.log_every == 0 or step in (1, total_steps):
                 log(f"epoch {epoch} step {step}/{total_steps} | m {m:+.6f} n {n:+.6f} | batch loss {batch_loss:.5f}")
             stopping = stopper.agreed(accelerator)
@@ -190,6 +196,7 @@ def main(argv=None):
         if stopping:
             break
     train_time = progress["train_time"] + time.perf_counter() - train_start
+    profiler.stop()
     if stopping:
         code = stopped(accelerator, stopper, step, args.checkpoint_dir)
         del model, optimizer, loader
@@ -208,6 +215,8 @@ def main(argv=None):
             plot(path, x, y, args, os.path.join(args.output_dir, "trajectory.png"))
             log(f"wrote {os.path.join(args.output_dir, 'trajectory.png')}")
         metrics.close()
+        if args.report_to != "none":
+            log(f"curves: {plot_curves(args.output_dir, 'linear regression')}")
         write_summary(args.output_dir, {
             "recipe": "linear_regression", **setup, "optimizer": optimizer_name, "steps": step,
             "resumed_from_step": progress["step"] or None, "m": m, "n": n, "full_loss": full_loss,

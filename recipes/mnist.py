@@ -10,6 +10,7 @@ Swapping the config file is the whole change; Slurm users see launch/.
 Checkpoints and stopping (README "Stopping and resuming"): add --checkpoint-dir ckpt; a
 stop signal (SIGUSR1/SIGTERM) saves and exits 75, and the same command again resumes
 exactly where it stopped, mid-epoch included.
+Watching a run: --report-to tensorboard (or png) draws curves, --profile 5 traces 5 steps.
 
 The model is the ConvNet of the HPC courses (two 5x5 conv + BatchNorm + max-pool
 blocks, one linear layer). `--batch-size` is the GLOBAL batch: accelerate splits
@@ -53,9 +54,10 @@ from torchvision.datasets import MNIST
 from tqdm import tqdm
 
 from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, stopped
-from common import (MetricsLog, Window, cast_buffers_for_half_precision, check_batch,
-                    check_deepspeed_flags, check_launch, deepspeed_clip_like, engine, fail, finish,
-                    footprint, printer, resumable_epochs, stepping_optimizer, write_summary)
+from common import (MetricsLog, StepProfiler, Window, add_observability_args, cast_buffers_for_half_precision,
+                    check_batch, check_deepspeed_flags, check_launch, deepspeed_clip_like, engine, fail, finish,
+                    footprint, plot_curves, printer, resumable_epochs, start_tracking, stepping_optimizer,
+                    tracking, write_summary)
 from synthetic_mnist import write_synthetic_mnist
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -88,6 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=int, default=300,
                    help="seconds a collective waits for a missing rank before the run fails")
     add_checkpoint_args(p)
+    add_observability_args(p)
     return p.parse_args(argv)
 
 
@@ -165,6 +168,7 @@ def main(argv=None):
         # use_seedable_sampler: the same shuffle on every rank and for every world size.
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
+        **tracking(args),  # --report-to tensorboard: accelerate's own tracker
     )
     check_launch(accelerator)
     log = printer(accelerator)
@@ -210,6 +214,9 @@ def main(argv=None):
     progress.update(checkpointer.resume(args.resume) or {})
     step, first_loss, final_loss = progress["step"], progress["first_loss"], progress["final_loss"]
     metrics = MetricsLog(accelerator, args.output_dir, step)
+    evals = MetricsLog(accelerator, args.output_dir, step, "eval.jsonl")
+    start_tracking(accelerator, args)
+    profiler = StepProfiler(accelerator, args.profile, args.output_dir)
     bar = tqdm(total=total_steps, initial=step, disable=not (accelerator.is_main_process and sys.stdout.isatty()))
     window = Window(accelerator, progress["data_time"], progress["compute_time"])
     fingerprint = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -237,6 +244,7 @@ def main(argv=None):
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(to_input(images, input_dtype)).float(), labels)
                 accelerator.backward(loss)
+                window.backward_done()
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
@@ -252,15 +260,17 @@ def main(argv=None):
                 continue
             step, step_in_epoch = step + 1, step_in_epoch + 1
             bar.update(1)
+            profiler.step()
             if step % args.log_every == 0 or step == total_steps or step == 1:
                 record = window.record(micro_batch, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"],
+                                       train_time_s=progress["train_time"] + time.perf_counter() - train_start,
                                        rank_fingerprints=accelerator.gather(fingerprint.view(1)).tolist())
                 fingerprint.zero_()
                 first_loss = record["loss"] if first_loss is None else first_loss
                 metrics.write(record)
                 line = (f"epoch {epoch} step {step}/{total_steps} | loss {record['loss']:.4f} | "
                         f"{record['samples_per_s']:.0f} samples/s | per micro-batch: data {record['data_ms']:.1f} ms, "
-                        f"compute {record['compute_ms']:.1f} ms")
+                        f"forward+backward {record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms")
                 tqdm.write(line) if not bar.disable else log(line)
             stopping = stopper.agreed(accelerator)  # every rank, every step: nobody waits for a rank that left
             if args.checkpoint_dir and (stopping or (args.checkpoint_every and step % args.checkpoint_every == 0)):
@@ -271,6 +281,8 @@ def main(argv=None):
             break
         final_loss = accelerator.reduce(epoch_loss / max(epoch_micro, 1), "mean").item()
         accuracy, test_loss, test_count = evaluate(model, test_loader, accelerator, input_dtype)
+        evals.write({"step": step, "epoch": epoch, "test_accuracy": accuracy, "test_loss": test_loss,
+                     "train_time_s": progress["train_time"] + time.perf_counter() - train_start})
         log(f"epoch {epoch} done | train loss {final_loss:.4f} | test loss {test_loss:.4f} | "
             f"test accuracy {100 * accuracy:.2f}% on {test_count} images")
         finished = step_in_epoch == steps_per_epoch
@@ -282,6 +294,7 @@ def main(argv=None):
             break
     train_time = progress["train_time"] + time.perf_counter() - train_start
     bar.close()
+    profiler.stop()
     if stopping:
         code = stopped(accelerator, stopper, step, args.checkpoint_dir)
         del model, optimizer, scheduler, train_loader, test_loader  # see finish()
@@ -305,9 +318,13 @@ def main(argv=None):
             "data_time_s": data_time, "compute_time_s": compute_time,
             "data_fraction": data_time / max(data_time + compute_time, 1e-9),
             "param_elements": sum(v.numel() for k, v in state_dict.items() if v.is_floating_point() and "running" not in k),
-            **memory_and_shards, "wall_time_s": time.perf_counter() - t_start, "args": vars(args),
+            **memory_and_shards, "timing": window.timing(micro_batch),
+            "wall_time_s": time.perf_counter() - t_start, "args": vars(args),
         }
         metrics.close()
+        evals.close()
+        if args.report_to != "none":
+            log(f"curves: {plot_curves(args.output_dir, 'mnist')}")
         if source == "synthetic":
             log("DATA: these results are on SYNTHETIC digits, not real MNIST")
         write_summary(args.output_dir, summary)

@@ -52,10 +52,10 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, ignore_stop_signals, stopped
-from common import (MetricsLog, Window, cast_buffers_for_half_precision, check_batch,
-                    check_deepspeed_flags, check_launch, deepspeed_clip_like, engine, fail, finish,
-                    footprint, printer, refuse_optimizer_offload, resumable_epochs,
-                    stepping_optimizer, write_summary)
+from common import (MetricsLog, StepProfiler, Window, add_observability_args, cast_buffers_for_half_precision,
+                    check_batch, check_deepspeed_flags, check_launch, deepspeed_clip_like, engine, fail, finish,
+                    footprint, plot_curves, printer, refuse_optimizer_offload, resumable_epochs, start_tracking,
+                    stepping_optimizer, tracking, write_summary)
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics, fine for CIFAR too
 
@@ -78,6 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=20, help="print a progress line every N steps")
     p.add_argument("--output-dir", default="runs/resnet", help="summary.json, metrics.jsonl, model.safetensors")
     add_checkpoint_args(p)
+    add_observability_args(p)
     return p.parse_args(argv)
 
 
@@ -140,7 +141,8 @@ def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
     stopper = GracefulStop(args.stop_signals)
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
+                              **tracking(args))
     check_launch(accelerator)
     log = printer(accelerator)
     setup = engine(accelerator)
@@ -189,6 +191,9 @@ def main(argv=None):
     progress.update(checkpointer.resume(args.resume) or {})
     step, first_loss = progress["step"], progress["first_loss"]
     metrics = MetricsLog(accelerator, args.output_dir, step)
+    evals = MetricsLog(accelerator, args.output_dir, step, "eval.jsonl")
+    start_tracking(accelerator, args)
+    profiler = StepProfiler(accelerator, args.profile, args.output_dir)
     window = Window(accelerator, progress["data_time"], progress["compute_time"])
     accuracy, stopping, record = None, False, {}
     train_start = time.perf_counter()
@@ -201,6 +206,7 @@ def main(argv=None):
             window.data_ready()
             loss = F.cross_entropy(model(to_input(images)).float(), labels)
             accelerator.backward(loss)
+            window.backward_done()
             if args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
@@ -208,13 +214,16 @@ def main(argv=None):
             optimizer.zero_grad()
             window.step_done(loss)
             step, step_in_epoch = step + 1, step_in_epoch + 1
+            profiler.step()
             if step % args.log_every == 0 or step in (1, total_steps):
-                record = window.record(args.batch_size, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"])
+                record = window.record(args.batch_size, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"],
+                                       train_time_s=progress["train_time"] + time.perf_counter() - train_start)
                 first_loss = record["loss"] if first_loss is None else first_loss
                 metrics.write(record)
                 log(f"epoch {epoch} step {step}/{total_steps} | loss {record['loss']:.4f} | "
-                    f"{record['samples_per_s']:.0f} images/s | per step: data {record['data_ms']:.1f} ms, compute "
-                    f"{record['compute_ms']:.1f} ms ({100 * record['data_fraction']:.0f}% waiting for data)")
+                    f"{record['samples_per_s']:.0f} images/s | per step: data {record['data_ms']:.1f} ms, forward+backward "
+                    f"{record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms "
+                    f"({100 * record['data_fraction']:.0f}% waiting for data)")
             stopping = stopper.agreed(accelerator)
             finished = step_in_epoch == steps_per_epoch
             if args.checkpoint_dir and (stopping or finished or (args.checkpoint_every and step % args.checkpoint_every == 0)):
@@ -227,8 +236,11 @@ def main(argv=None):
         if stopping:
             break
         accuracy, val_count = evaluate(model, val_loader, accelerator, to_input)
+        evals.write({"step": step, "epoch": epoch, "val_accuracy": accuracy,
+                     "train_time_s": progress["train_time"] + time.perf_counter() - train_start})
         log(f"epoch {epoch} done | validation accuracy {100 * accuracy:.2f}% on {val_count} images")
     train_time = progress["train_time"] + time.perf_counter() - train_start
+    profiler.stop()
     if stopping:
         code = stopped(accelerator, stopper, step, args.checkpoint_dir)
         del model, optimizer, scheduler, train_loader, val_loader
@@ -242,6 +254,9 @@ def main(argv=None):
         save_file({k: v.contiguous().cpu() for k, v in state_dict.items()}, os.path.join(args.output_dir, "model.safetensors"))
         data_time, compute_time = window.total_data, window.total_compute
         metrics.close()
+        evals.close()
+        if args.report_to != "none":
+            log(f"curves: {plot_curves(args.output_dir, f'resnet ({args.arch})')}")
         write_summary(args.output_dir, {
             "recipe": "resnet", **setup, "optimizer": optimizer_name, "arch": args.arch, "image_size": size,
             "data_source": source, "classes": len(classes), "steps": step, "resumed_from_step": progress["step"] or None,
@@ -250,7 +265,8 @@ def main(argv=None):
             "data_time_s": data_time, "compute_time_s": compute_time,
             "data_fraction": data_time / max(data_time + compute_time, 1e-9),
             "param_elements": sum(v.numel() for k, v in state_dict.items() if v.is_floating_point() and "running" not in k),
-            **memory_and_shards, "wall_time_s": time.perf_counter() - t_start, "args": vars(args)})
+            **memory_and_shards, "timing": window.timing(args.batch_size, "images"),
+            "wall_time_s": time.perf_counter() - t_start, "args": vars(args)})
     del model, optimizer, scheduler, train_loader, val_loader
     finish(accelerator)
     return 0
