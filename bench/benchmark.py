@@ -1,0 +1,349 @@
+"""Which config is fastest for my model on my machine, and what does it cost in memory?
+
+    python bench/benchmark.py                                  # MNIST: DDP baselines + every multi-process config
+    python bench/benchmark.py --repeats 3 --steps 300          # the table in README.md
+    python bench/benchmark.py --recipe gpt --preset tiny --configs 2gpu.yaml deepspeed_zero3.yaml
+    python bench/benchmark.py --recipe resnet --recipe-args "--data-dir my_images --image-size 32"
+
+Every run has the same global batch, seed, step count and precision (--mixed-precision, fp32 by
+default, like the baselines). On a machine with GPUs every run uses all of them; without, it runs
+2 processes over gloo through the CPU route of the tests (README "GPU configs on a CPU").
+For the MNIST recipe the same report holds two hand-written DDP baselines (bench/ddp_baseline.py):
+the course-style per-sample pipeline and the recipe's tensor pipeline.
+
+Each run's own timer (recipes/common.py Window, and the same code in the baseline) gives the
+steady state after its first step: samples/s, the step split into data wait / forward+backward /
+optimizer, and peak memory per process. The benchmark adds the start-up time (launch to end of the
+first step) and the training time to --target-loss and --target-accuracy.
+
+Writes OUT/results.json, OUT/results.md (the table and the three ratios, with their goals) and
+OUT/results.png; each run's log is in OUT/logs/. A run that fails is reported as failed, and the
+benchmark then exits 1. It measures; it asserts nothing.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "accelerate_configs"
+CPU_SHIM = REPO / "tests" / "cpu_shim"
+MULTI_PROCESS_CONFIGS = ["2gpu.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
+                         "deepspeed_zero3_offload.yaml", "fsdp.yaml"]
+DEFAULT_TARGET_LOSS = {"mnist": 0.3, "gpt": 3.0, "resnet": 0.5}
+BASELINES = {"ddp-by-hand (per-sample ToTensor)": "per-sample", "ddp-by-hand (tensor pipeline)": "tensor"}
+DDP = "2gpu.yaml"
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--recipe", choices=["mnist", "gpt", "resnet"], default="mnist")
+    p.add_argument("--configs", nargs="+", default=MULTI_PROCESS_CONFIGS, help="files in accelerate_configs/")
+    p.add_argument("--no-baselines", action="store_true", help="MNIST only: skip the two hand-written DDP runs")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    p.add_argument("--batch-size", type=int, default=0, help="GLOBAL batch (0: 128 for mnist, the recipe's default else)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
+                   help="override every config's precision (the baselines are fp32)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each, interleaved; the report takes medians")
+    p.add_argument("--log-every", type=int, default=10, help="loss records per run, for the time to --target-loss")
+    p.add_argument("--target-loss", type=float, default=None, help="default: mnist 0.3, gpt 3.0, resnet 0.5")
+    p.add_argument("--target-accuracy", type=float, default=0.95, help="test accuracy (mnist, resnet), 0..1")
+    p.add_argument("--train-size", type=int, default=20000, help="mnist: synthetic training digits")
+    p.add_argument("--test-size", type=int, default=2000, help="mnist: synthetic test digits")
+    p.add_argument("--preset", default="tiny", help="gpt: model preset")
+    p.add_argument("--recipe-args", default="", help="extra arguments for every recipe run, one string")
+    p.add_argument("--num-processes", type=int, default=0, help="0: every GPU here, or 2 CPU processes")
+    p.add_argument("--data-dir", default="data", help="mnist: where MNIST or the synthetic digits live")
+    p.add_argument("--out", default="bench/results", help="report folder")
+    args = p.parse_args()
+    missing = [c for c in args.configs if not (CONFIGS / c).is_file()]
+    if missing:
+        p.error(f"no such config in accelerate_configs/: {', '.join(missing)}")
+    if args.steps < 3 or args.repeats < 1:
+        p.error("--steps must be at least 3 (the first step is start-up) and --repeats at least 1")
+    return args
+
+
+def hardware():
+    import torch
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    label = (f"{len(gpus)} x {gpus[0]}" if gpus else f"CPU only: {os.cpu_count()} cores of {cpu}")
+    return {"label": label, "gpus": gpus, "cpu": cpu, "cores": os.cpu_count(), "host": socket.gethostname(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            **{pkg: _version(pkg) for pkg in ("accelerate", "deepspeed")}}
+
+
+def _version(package):
+    try:
+        from importlib.metadata import version
+        return version(package)
+    except Exception:
+        return None
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config_launch(config, processes, on_gpu, mixed_precision):
+    """accelerate launch arguments and environment that run `config` here with `processes` processes."""
+    cfg = yaml.safe_load(open(CONFIGS / config))
+    args, env = ["--config_file", str(CONFIGS / config), "--main_process_port", str(free_port()),
+                 "--mixed_precision", mixed_precision], {}
+    if cfg.get("num_processes", 1) > 1:
+        args += ["--num_processes", str(processes)]
+    if cfg.get("num_machines", 1) > 1:  # one machine here
+        args += ["--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1"]
+    if not on_gpu:  # the CPU route: see tests/conftest.py and tests/cpu_shim
+        if cfg["distributed_type"] in ("DEEPSPEED", "FSDP"):
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_SHIM), os.environ.get("PYTHONPATH")]))
+        else:
+            env["ACCELERATE_USE_CPU"] = "1"
+    return args, env
+
+
+def plan_runs(args, processes, on_gpu, data_root):
+    """[(name, command, environment)], one per run, repeats interleaved so drift hits every run alike."""
+    batch = args.batch_size or {"mnist": 128, "gpt": 32, "resnet": 64}[args.recipe]
+    common = ["--seed", str(args.seed), "--batch-size", str(batch), "--log-every", str(args.log_every)]
+    if args.recipe == "mnist":
+        epochs = math.ceil(args.steps / (args.train_size // batch))
+        recipe_args = ["--data", "synthetic" if "synthetic-" in str(data_root) else "mnist", "--data-dir", args.data_dir,
+                       "--synthetic-train-size", str(args.train_size), "--synthetic-test-size", str(args.test_size),
+                       "--epochs", str(epochs), "--max-steps", str(args.steps), *common]
+    elif args.recipe == "gpt":
+        recipe_args = ["--preset", args.preset, "--max-steps", str(args.steps), "--sample-tokens", "0",
+                       "--eval-every", str(args.steps), *common]
+    else:
+        recipe_args = ["--max-steps", str(args.steps), "--epochs", "1000", *common]
+    recipe_args += args.recipe_args.split()
+    runs = []
+    for repeat in range(args.repeats):
+        if args.recipe == "mnist" and not args.no_baselines:
+            for name, pipeline in BASELINES.items():
+                runs.append((name, repeat, ["torchrun", "--standalone", "--nproc_per_node", str(processes),
+                                            str(REPO / "bench" / "ddp_baseline.py"), "--data-root", str(data_root),
+                                            "--pipeline", pipeline, "--max-steps", str(args.steps),
+                                            "--epochs", str(epochs), *common], {}))
+        for config in args.configs:
+            launch, env = config_launch(config, processes, on_gpu, args.mixed_precision)
+            runs.append((config, repeat, ["accelerate", "launch", *launch, str(REPO / "recipes" / f"{args.recipe}.py"),
+                                          *recipe_args], env))
+    return runs
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path)] if path.exists() else []
+
+
+def measure(name, repeat, cmd, env, out, threads):
+    """Run one, return its figures (or its failure)."""
+    run_dir = out / "runs" / f"{re.sub(r'[^A-Za-z0-9]+', '-', name.replace('.yaml', '')).strip('-')}-{repeat}"
+    log_path = out / "logs" / f"{run_dir.name}.log"
+    full_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **env)
+    started = time.time()
+    with open(log_path, "w") as log:
+        log.write(" ".join(cmd + ["--output-dir", str(run_dir)]) + "\n")
+        log.flush()
+        code = subprocess.run(cmd + ["--output-dir", str(run_dir)], cwd=REPO, env=full_env, stdout=log,
+                              stderr=subprocess.STDOUT).returncode
+    result = {"name": name, "repeat": repeat, "log": str(log_path), "exit_code": code}
+    if code != 0 or not (run_dir / "summary.json").exists():
+        tail = log_path.read_text().strip().splitlines()[-3:]
+        return {**result, "failed": " | ".join(tail)}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    timing = summary["timing"]
+    unit = next(k for k in timing if k.endswith("_per_s"))
+    step_ms = timing["data_ms"] + timing["forward_backward_ms"] + timing["optimizer_ms"]
+    return {**result, "engine": summary.get("distributed_type"), "zero_stage": summary.get("deepspeed_stage"),
+            "processes": summary["world_size"], "unit": unit, "throughput": timing[unit],
+            "startup_s": timing["first_step_at"] - started, "step_ms": step_ms, "data_ms": timing["data_ms"],
+            "forward_backward_ms": timing["forward_backward_ms"], "optimizer_ms": timing["optimizer_ms"],
+            "data_fraction": timing["data_fraction"], "optimizer_in_backward": timing["optimizer_in_backward"],
+            "peak_memory_mb_per_rank": summary["peak_memory_mb_per_rank"], "peak_memory_kind": summary["peak_memory_kind"],
+            "metrics": read_jsonl(run_dir / "metrics.jsonl"), "evals": read_jsonl(run_dir / "eval.jsonl"),
+            "final_accuracy": summary.get("test_accuracy", summary.get("val_accuracy")),
+            "final_loss": summary.get("final_loss", summary.get("val_loss"))}
+
+
+def time_to(records, key, reached):
+    return next((r["train_time_s"] for r in records if key in r and reached(r[key])), None)
+
+
+def aggregate(results, target_loss, target_accuracy):
+    """Medians over repeats, per name, in the order of the plan."""
+    rows = {}
+    for r in results:
+        rows.setdefault(r["name"], []).append(r)
+    table = []
+    for name, runs in rows.items():
+        good = [r for r in runs if "failed" not in r]
+        if not good:
+            table.append({"name": name, "failed": runs[0]["failed"], "log": runs[0]["log"]})
+            continue
+        med = lambda key: statistics.median(r[key] for r in good)  # noqa: E731
+        loss_times = [time_to(r["metrics"], "loss", lambda v: v <= target_loss) for r in good]
+        acc_times = [time_to(r["evals"], "test_accuracy", lambda v: v >= target_accuracy)
+                     or time_to(r["evals"], "val_accuracy", lambda v: v >= target_accuracy) for r in good]
+        table.append({
+            "name": name, "runs": len(good), "processes": good[0]["processes"], "unit": good[0]["unit"],
+            "engine": good[0]["engine"], "zero_stage": good[0]["zero_stage"],
+            **{key: med(key) for key in ("throughput", "startup_s", "step_ms", "data_ms", "forward_backward_ms",
+                                         "optimizer_ms", "data_fraction")},
+            "optimizer_in_backward": good[0]["optimizer_in_backward"],
+            "peak_memory_mb_per_rank": [statistics.median(col) for col in zip(*(r["peak_memory_mb_per_rank"] for r in good))],
+            "peak_memory_kind": good[0]["peak_memory_kind"],
+            "time_to_target_loss_s": statistics.median(loss_times) if None not in loss_times else None,
+            "time_to_target_accuracy_s": statistics.median(acc_times) if None not in acc_times else None,
+            "final_accuracy": good[0]["final_accuracy"], "final_loss": med("final_loss") if good[0]["final_loss"] is not None else None,
+        })
+    return table
+
+
+def ratios(table):
+    by = {row["name"]: row for row in table if "failed" not in row}
+    ddp, tensor, course = by.get(DDP), by.get("ddp-by-hand (tensor pipeline)"), by.get("ddp-by-hand (per-sample ToTensor)")
+    out = {}
+    if ddp and tensor:
+        out["accelerate_overhead"] = {"value": ddp["step_ms"] / tensor["step_ms"], "goal": "<= 1.03",
+                                      "met": ddp["step_ms"] / tensor["step_ms"] <= 1.03,
+                                      "what": f"step time, recipe under {DDP} / DDP by hand with the same pipeline"}
+    if ddp and course:
+        out["data_wait_share"] = {"value": ddp["data_fraction"], "course_baseline": course["data_fraction"],
+                                  "goal": "< 0.05", "met": ddp["data_fraction"] < 0.05,
+                                  "what": "share of the step spent waiting for data: recipe vs course-style DDP"}
+    if ddp:
+        out["throughput_vs_ddp"] = {row["name"]: row["throughput"] / ddp["throughput"] for row in by.values()}
+    return out
+
+
+def write_markdown(path, report):
+    table, r, hw = report["table"], report["ratios"], report["hardware"]
+    unit = next((row["unit"] for row in table if "unit" in row), "samples_per_s").replace("_per_s", "/s")
+    vs = r.get("throughput_vs_ddp", {})
+    s = report["settings"]
+    lines = [f"Measured {report['date']} on {hw['label']} ({hw['host']}); torch {hw['torch']}, accelerate "
+             f"{hw['accelerate']}, DeepSpeed {hw['deepspeed']}. Recipe `{s['recipe']}`, {s['steps']} steps, global batch "
+             f"{s['batch_size']}, precision {s['mixed_precision']}, median of {s['repeats']} run(s) each.", "",
+             f"| run | procs | start-up s | {unit} | vs DDP | step ms | data ms | fwd+bwd ms | optimizer ms | data share "
+             f"| peak MB per proc | s to loss <= {s['target_loss']} | s to acc >= {s['target_accuracy']} |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+    for row in table:
+        if "failed" in row:
+            lines.append(f"| {row['name']} | FAILED: see {row['log']} |" + " |" * 11)
+            continue
+        opt = "in bwd" if row["optimizer_in_backward"] else fmt(row["optimizer_ms"])
+        lines.append(f"| {row['name']} | {row['processes']} | {fmt(row['startup_s'])} | {row['throughput']:.0f} | "
+                     f"{fmt(vs.get(row['name']), '{:.2f}')} | {row['step_ms']:.1f} | {row['data_ms']:.1f} | "
+                     f"{row['forward_backward_ms']:.1f} | {opt} | {100 * row['data_fraction']:.1f}% | "
+                     f"{' / '.join(f'{m:.0f}' for m in row['peak_memory_mb_per_rank'])} | "
+                     f"{fmt(row['time_to_target_loss_s'])} | {fmt(row['time_to_target_accuracy_s'])} |")
+    lines.append("")
+    if "accelerate_overhead" in r:
+        a = r["accelerate_overhead"]
+        lines.append(f"1. {a['what']}: **{a['value']:.3f}** (goal {a['goal']}: {'met' if a['met'] else 'NOT met'})")
+    if "data_wait_share" in r:
+        d = r["data_wait_share"]
+        lines.append(f"2. {d['what']}: **{100 * d['value']:.1f}%** vs {100 * d['course_baseline']:.1f}% "
+                     f"(goal {d['goal']}: {'met' if d['met'] else 'NOT met'})")
+    if vs:
+        lines.append("3. throughput relative to DDP (" + DDP + "): " + ", ".join(f"{k} {v:.2f}" for k, v in vs.items()))
+    lines.append(f"\nPeak memory is {table[0].get('peak_memory_kind', '')} per process. \"in bwd\": under DeepSpeed "
+                 "the optimizer step runs inside accelerator.backward() and is counted in fwd+bwd.")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_chart(path, report):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [row for row in report["table"] if "failed" not in row]
+    names = [row["name"].replace("ddp-by-hand ", "by hand\n").replace(".yaml", "") for row in rows]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 5))
+    vs = report["ratios"].get("throughput_vs_ddp", {})
+    ax1.barh(names, [vs.get(row["name"], row["throughput"]) for row in rows], color="tab:blue")
+    ax1.set(title="throughput relative to DDP" if vs else "throughput", xlabel="x DDP" if vs else rows[0]["unit"])
+    left = [0.0] * len(rows)
+    for phase, colour in (("data_ms", "tab:red"), ("forward_backward_ms", "tab:green"), ("optimizer_ms", "tab:orange")):
+        values = [row[phase] for row in rows]
+        ax2.barh(names, values, left=left, color=colour, label=phase.replace("_ms", "").replace("_", "+"))
+        left = [a + b for a, b in zip(left, values)]
+    ax2.set(title="time per step", xlabel="ms")
+    ax2.legend()
+    ax3.barh(names, [max(row["peak_memory_mb_per_rank"]) for row in rows], color="tab:purple")
+    ax3.set(title=f"peak memory per process ({rows[0]['peak_memory_kind']})", xlabel="MB")
+    for ax in (ax2, ax3):
+        ax.set_yticklabels([])
+    fig.suptitle(f"{report['settings']['recipe']}: {report['hardware']['label']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main():
+    args = parse_args()
+    import torch
+    on_gpu = torch.cuda.is_available()
+    processes = args.num_processes or (torch.cuda.device_count() if on_gpu else 2)
+    threads = max(1, (os.cpu_count() or 2) // processes)
+    out = Path(args.out).resolve()
+    for sub in ("logs", "runs"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    data_root = None
+    if args.recipe == "mnist":  # real MNIST if it is there; else the synthetic digits the recipe would make
+        sys.path.insert(0, str(REPO / "recipes"))
+        from synthetic_mnist import write_synthetic_mnist
+        real = Path(args.data_dir) / "MNIST" / "raw" / "train-images-idx3-ubyte"
+        data_root = Path(args.data_dir).resolve() if real.exists() else write_synthetic_mnist(
+            str(Path(args.data_dir).resolve() / f"synthetic-{args.train_size}-{args.test_size}"),
+            args.train_size, args.test_size, seed=0)
+    target_loss = args.target_loss if args.target_loss is not None else DEFAULT_TARGET_LOSS[args.recipe]
+    runs = plan_runs(args, processes, on_gpu, data_root)
+    results = []
+    with tqdm(total=len(runs), desc="benchmark", unit="run") as bar:
+        for name, repeat, cmd, env in runs:
+            bar.set_postfix_str(f"{name} #{repeat + 1}")
+            results.append(measure(name, repeat, cmd, env, out, threads))
+            if "failed" in results[-1]:
+                tqdm.write(f"{name}: FAILED (exit {results[-1]['exit_code']}), see {results[-1]['log']}")
+            bar.update(1)
+    table = aggregate(results, target_loss, args.target_accuracy)
+    report = {"date": time.strftime("%Y-%m-%d"), "hardware": hardware(),
+              "settings": {**vars(args), "batch_size": args.batch_size or {"mnist": 128, "gpt": 32, "resnet": 64}[args.recipe],
+                           "target_loss": target_loss, "processes": processes, "threads_per_process": threads},
+              "table": table, "ratios": ratios(table),
+              "runs": [{k: v for k, v in r.items() if k not in ("metrics", "evals")} for r in results]}
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    write_markdown(out / "results.md", report)
+    if any("failed" not in row for row in table):
+        write_chart(out / "results.png", report)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'results.png'}")
+    failed = [row["name"] for row in table if "failed" in row]
+    if failed:
+        print(f"error: {len(failed)} run(s) failed ({', '.join(failed)}); their logs are in {out / 'logs'}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
