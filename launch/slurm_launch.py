@@ -14,6 +14,7 @@ tutorials do): each task is one training process. accelerate's own code turns
 the config into the environment the recipe reads, and the ranks come from
 SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS.
 
+Before anything starts, every task runs launch/check_config.py on the config and recipe.
 `--dry-run` prints the command (and, per-gpu, the rank variables) and exits.
 
 Stop signals (Slurm's `--signal=USR1@120`, a preemption's SIGTERM) must reach the
@@ -36,6 +37,8 @@ import sys
 import tempfile
 
 import yaml
+
+import check_config  # launch/check_config.py, next to this file
 
 GPU_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP")
 EXIT_STOPPED = 75  # the recipes' code for "stopped on a signal, checkpoint saved" (recipes/checkpointing.py)
@@ -122,6 +125,10 @@ def plan(args, env, resolve=True):
         raise LaunchError(f"{args.config} is not an accelerate config ({exc})") from None
     if not os.path.isfile(args.recipe):
         raise LaunchError(f"recipe {args.recipe!r} does not exist")
+    errors, _ = check_config.check(args.config, args.recipe)  # the traps that would bite only after start-up
+    if errors:
+        raise LaunchError(errors[0] + (f" (and {len(errors) - 1} more problem(s): python3 launch/check_config.py "
+                                       f"{args.config} --recipe {args.recipe})" if len(errors) > 1 else ""))
 
     nodes = int(require(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
     node_rank = int(require(env, "SLURM_NODEID"))

@@ -308,6 +308,22 @@ def test_per_gpu_mode_on_two_nodes(two_nodes, data_dir, tmp_path, config):
 
 
 @pytest.mark.slow
+def test_preflight_on_two_slurm_nodes(two_nodes, tmp_path):
+    """launch/preflight.py through the same template and launcher as a training job."""
+    log = tmp_path / "preflight.log"
+    job = two_nodes.sbatch(["-o", str(log), "launch/multinode.sbatch", "--processes-per-node=1",
+                            "accelerate_configs/multinode.yaml", "launch/preflight.py", "--max-bytes", "65536"],
+                           cwd=REPO, env={"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"})
+    state, _ = two_nodes.wait(job, timeout=400)
+    text = log.read_text()
+    assert state == "COMPLETED", text
+    rows = [line for line in text.splitlines() if line.startswith("rank ")]
+    assert sorted(row.split("| host ")[1].split()[0] for row in rows) == ["node1", "node2"], text
+    assert "preflight: 2 ranks on 2 host(s), backend gloo, main address node1:" in text
+    assert "preflight: ok, 2 ranks agree on world size 2 and backend gloo" in text
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sbatch_args, launch_args, env, message", [
     (["--ntasks-per-node=2"], [CONFIG, RECIPE], {}, "mode per-node needs one task per node"),
     (["--gres=none"], [CONFIG, RECIPE], {"ACCELERATE_USE_CPU": ""}, "but Slurm gave this task no GPU"),

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Check an accelerate config before any process starts: a mistake costs seconds here, not a queue wait.
+
+    python launch/check_config.py accelerate_configs/deepspeed_zero3.yaml
+    python launch/check_config.py my_zero2.yaml --recipe recipes/resnet.py   # also: does it suit this recipe?
+
+First accelerate's own loader reads the file (unknown keys, a wrong distributed_type, a bad
+value). Then, for DeepSpeed, the traps that otherwise show up only after the job has started, or
+never (accelerate 1.15, DeepSpeed 0.19):
+  * "auto" sizes that accelerate fills from model.config.hidden_size: the recipes' models are plain
+    nn.Modules without a config, so prepare() fails;
+  * an optimizer or scheduler block in a DeepSpeed JSON: it needs DummyOptim/DummyScheduler in the
+    script, and prepare() refuses the torch optimizer and scheduler the recipes build;
+  * optimizer offload with a torch optimizer: accelerate silently replaces ANY torch optimizer by
+    DeepSpeedCPUAdam, SGD too (with --recipe the recipe's optimizer is read from its source);
+  * stage-3 options on stage 1 or 2: DeepSpeed ignores them without a word;
+  * mixed precision that the YAML and the DeepSpeed JSON state differently;
+  * YAML DeepSpeed keys next to deepspeed_config_file: accelerate refuses the mix at start-up.
+Exit 0 when the config is usable (notes are printed), 2 with one line per problem otherwise.
+launch/slurm_launch.py runs this check in every task before it launches anything.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import yaml
+
+HIDDEN_SIZE_KEYS = {  # accelerate fills these from model.config.hidden_size when they are "auto"
+    "reduce_bucket_size": "5e8 (DeepSpeed's default)",
+    "stage3_prefetch_bucket_size": "5e7",
+    "stage3_param_persistence_threshold": "1e5",
+}
+STAGE3_YAML_KEYS = {"offload_param_device": ("none", None), "zero3_init_flag": (False, None),
+                    "zero3_save_16bit_model": (False, None)}
+FILE_EXCLUSIVE_YAML_KEYS = ("zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps",
+                            "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model", "offload_optimizer_nvme_path",
+                            "offload_param_nvme_path")
+
+
+class Problems:
+    def __init__(self, config):
+        self.config, self.errors, self.notes = config, [], []
+
+    def error(self, key, problem, fix):
+        self.errors.append(f"{self.config}: {key}: {problem}. Fix: {fix}")
+
+    def note(self, text):
+        self.notes.append(f"{self.config}: note: {text}")
+
+
+def load_with_accelerate(path, problems):
+    """accelerate's own loader: the same errors `accelerate launch` would give, before anything starts."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as exc:
+        problems.error("file", f"cannot be read ({exc.strerror})", "give the path of a YAML file in accelerate_configs/")
+        return None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        problems.error("YAML", f"not valid YAML{f' (line {where.line + 1}, column {where.column + 1})' if where else ''}: "
+                               f"{getattr(exc, 'problem', exc)}", "correct the indentation or quoting there")
+        return None
+    if not isinstance(raw, dict) or "distributed_type" not in raw:
+        problems.error("distributed_type", "missing: this is not an accelerate config",
+                       "start from a file in accelerate_configs/")
+        return None
+    try:
+        load_config_from_file(path)
+    except Exception as exc:  # accelerate raises ValueError/TypeError/KeyError with its own text
+        message = " ".join(str(exc).split())
+        problems.error("accelerate", f"accelerate's loader rejects it ({type(exc).__name__}: {message})",
+                       "remove or correct the key it names; `accelerate config` writes a valid file")
+        return None
+    return raw
+
+
+def load_deepspeed_json(raw, config_path, problems):
+    """The DeepSpeed JSON the YAML points to (deepspeed_config_file), or {}."""
+    ds_yaml = raw.get("deepspeed_config") or {}
+    name = ds_yaml.get("deepspeed_config_file")
+    if not name or name == "none":
+        return {}
+    candidates = [name, os.path.join(os.path.dirname(config_path), name)]
+    path = next((c for c in candidates if os.path.isfile(c)), None)
+    if path is None:
+        problems.error("deepspeed_config.deepspeed_config_file", f"{name!r} does not exist (looked in . and next to "
+                       f"the YAML; accelerate resolves it from the directory you launch in)", "correct the path")
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as exc:
+        problems.error("deepspeed_config.deepspeed_config_file", f"{name} is not valid JSON ({exc})",
+                       "correct the JSON; a trailing comma is the usual culprit")
+        return None
+
+
+def recipe_optimizers(recipe):
+    """Names of the torch optimizers a recipe builds, read from its source."""
+    with open(recipe) as f:
+        return set(re.findall(r"torch\.optim\.(?!lr_scheduler)(\w+)\(", f.read()))
+
+
+def enabled(section):
+    value = section.get("enabled") if isinstance(section, dict) else None
+    return None if value in (None, "auto") else str(value).lower() == "true"
+
+
+def check_deepspeed(raw, ds_json, recipe, problems):
+    ds_yaml = raw.get("deepspeed_config") or {}
+    zero = ds_json.get("zero_optimization", {}) if ds_json else {}
+    if ds_json:
+        mixed = [k for k in FILE_EXCLUSIVE_YAML_KEYS if k in ds_yaml]
+        if mixed:
+            problems.error(f"deepspeed_config.{mixed[0]}", "set in the YAML next to deepspeed_config_file; accelerate "
+                           "refuses the mix when the job starts", f"move {', '.join(mixed)} into the JSON file")
+    stage = zero.get("stage", ds_yaml.get("zero_stage"))
+    stage = stage if isinstance(stage, int) else None
+
+    for key, number in HIDDEN_SIZE_KEYS.items():  # "auto" values that need a hidden_size
+        if zero.get(key) == "auto":
+            problems.error(f"zero_optimization.{key}", "is \"auto\", which accelerate computes from "
+                           "model.config.hidden_size; the recipes' models are plain nn.Modules without one, so "
+                           "prepare() fails", f"write a number, e.g. {number}")
+
+    for block, dummy in (("optimizer", "DummyOptim"), ("scheduler", "DummyScheduler")):
+        if ds_json and block in ds_json:
+            problems.error(block, f"a DeepSpeed {block} block makes accelerate expect accelerate.utils.{dummy} in "
+                           f"the script; the recipes build a torch {block}, and prepare() refuses it",
+                           f"delete the \"{block}\" block; the recipe's flags (--lr, ...) set the {block}")
+
+    offload = zero.get("offload_optimizer", {}).get("device") if zero else ds_yaml.get("offload_optimizer_device")
+    if offload not in (None, "none") and (ds_json or {}).get("zero_force_ds_cpu_optimizer", True) is not False:
+        optimizers = recipe_optimizers(recipe) if recipe else set()
+        foreign = sorted(optimizers - {"Adam", "AdamW"})
+        if foreign:
+            problems.error("offload_optimizer_device" if not zero else "zero_optimization.offload_optimizer",
+                           f"optimizer offload ({offload}) makes accelerate replace {recipe}'s torch.optim."
+                           f"{'/'.join(foreign)} by DeepSpeedCPUAdam, a different algorithm, without a word",
+                           "use a config without optimizer offload (deepspeed_zero3.yaml), or set "
+                           "\"zero_force_ds_cpu_optimizer\": false in a DeepSpeed JSON to keep the torch optimizer")
+        else:
+            problems.note(f"optimizer offload ({offload}): accelerate replaces the recipe's torch optimizer by "
+                          f"DeepSpeedCPUAdam (the AdamW update, on the CPU); recipes built on SGD refuse it")
+
+    if stage is not None and stage < 3:
+        for key, unset in STAGE3_YAML_KEYS.items():
+            if ds_yaml.get(key, None) not in unset:
+                problems.error(f"deepspeed_config.{key}", f"is a ZeRO-3 option, and zero_stage is {stage}: "
+                               f"DeepSpeed ignores it silently", "remove it, or set zero_stage: 3")
+        for key in sorted(zero):
+            if key.startswith("stage3_") or (key == "offload_param" and zero[key].get("device", "none") != "none"):
+                problems.error(f"zero_optimization.{key}", f"is a ZeRO-3 option, and the stage is {stage}: DeepSpeed "
+                               "ignores it silently", "remove it, or set \"stage\": 3")
+
+    if ds_json:
+        wanted = raw.get("mixed_precision", "no")
+        states = {dtype: enabled(ds_json.get(dtype)) for dtype in ("fp16", "bf16")}
+        for dtype, state in states.items():
+            if state is True and wanted != dtype:
+                problems.error(f"{dtype}.enabled", f"is true in the DeepSpeed JSON but the YAML says mixed_precision: "
+                               f"{wanted}; accelerate and DeepSpeed would disagree on the dtype",
+                               f"make them agree: mixed_precision: {dtype} in the YAML, or \"enabled\": \"auto\" "
+                               f"in the JSON")
+            if state is False and wanted == dtype:
+                problems.error(f"{dtype}.enabled", f"is false in the DeepSpeed JSON but the YAML says mixed_precision: "
+                               f"{dtype}", "set \"enabled\": \"auto\" (or true) in the JSON, or mixed_precision: no")
+
+
+def check(config, recipe=None):
+    """(errors, notes) for `config`, optionally for use with `recipe`."""
+    problems = Problems(config)
+    if not os.path.isfile(config):
+        problems.error("file", "does not exist", "give the path of a YAML file in accelerate_configs/")
+        return problems.errors, problems.notes
+    raw = load_with_accelerate(config, problems)
+    if raw is not None and raw.get("distributed_type") == "DEEPSPEED":
+        ds_json = load_deepspeed_json(raw, config, problems)
+        if ds_json is not None:
+            check_deepspeed(raw, ds_json, recipe, problems)
+    return problems.errors, problems.notes
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("config", help="an accelerate YAML config")
+    p.add_argument("--recipe", help="the recipe it will run (checks offload against the recipe's optimizer)")
+    args = p.parse_args(argv)
+    if args.recipe and not os.path.isfile(args.recipe):
+        p.error(f"recipe {args.recipe!r} does not exist")
+    errors, notes = check(args.config, args.recipe)
+    for line in notes:
+        print(line)
+    for line in errors:
+        print(f"error: {line}", file=sys.stderr)
+    if not errors:
+        print(f"{args.config}: ok")
+    return 2 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""Measurement and checks before a job: --report-to / --profile in the recipes, bench/, launch/check_config.py,
+launch/preflight.py (2 CPU processes, hand-made broken launches, and a real 2-node Slurm job)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ALL_CONFIGS, CONFIG_DIR, REPO, free_port, launch_command, run_command
+
+sys.path.insert(0, str(REPO / "launch"))
+import check_config  # noqa: E402
+import slurm_launch  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def tensorboard_scalars(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tags = set()
+    for events in Path(log_dir).rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events.parent))
+        accumulator.Reload()
+        tags |= set(accumulator.Tags()["scalars"])
+    return tags
+
+
+def traces(out_dir):
+    """{rank: events} of the torch.profiler traces a run wrote."""
+    found = {}
+    for path in (out_dir / "profile").glob("rank*.pt.trace.json"):
+        found[int(path.name.split(".")[0][4:])] = json.loads(path.read_text())["traceEvents"]
+    return found
+
+
+# --- the recipes: TensorBoard, curves.png, profiler traces, the step split -----------------------
+
+@pytest.mark.slow
+def test_mnist_reports_to_tensorboard_and_profiles_every_rank(launch):
+    run = launch("deepspeed_zero2.yaml", "--epochs", "2", "--batch-size", "200", "--log-every", "2",
+                 "--report-to", "tensorboard", "--profile", "2", launch_args=("--mixed_precision", "no"))
+    tags = tensorboard_scalars(run.out_dir / "tensorboard")
+    assert {"loss", "lr", "samples_per_s", "data_ms", "forward_backward_ms", "optimizer_ms", "data_fraction",
+            "test_accuracy", "test_loss"} <= tags, tags
+    assert (run.out_dir / "curves.png").read_bytes().startswith(PNG_MAGIC)
+    evals = [json.loads(line) for line in (run.out_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [10, 20] and evals[-1]["test_accuracy"] == run.summary["test_accuracy"]
+    by_rank = traces(run.out_dir)
+    assert sorted(by_rank) == [0, 1]  # every rank traced its own steps
+    for events in by_rank.values():
+        steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+        assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, steps  # one skipped, one warm-up, 2 recorded
+    timing = run.summary["timing"]
+    assert timing["micro_batches"] == 19 and timing["optimizer_in_backward"] is True  # DeepSpeed steps in backward
+    assert timing["forward_backward_ms"] > 0 and timing["samples_per_s"] > 0
+    assert len(run.summary["peak_memory_mb_per_rank"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, args, tags", [
+    ("linear_regression", ["--epochs", "1", "--num-points", "128"], {"batch_loss", "lr", "m", "n"}),
+    ("gpt", ["--preset", "tiny", "--max-steps", "6", "--batch-size", "8", "--log-every", "1", "--eval-every", "3",
+             "--eval-batches", "2", "--sample-tokens", "0"],
+     {"loss", "lr", "tokens_per_s", "data_ms", "forward_backward_ms", "optimizer_ms", "val_loss"}),
+    ("resnet", ["--image-size", "16", "--batch-size", "16", "--epochs", "2", "--num-workers", "1", "--log-every", "1"],
+     {"loss", "lr", "samples_per_s", "data_ms", "forward_backward_ms", "optimizer_ms", "val_accuracy"}),
+])
+def test_every_training_recipe_reports_and_profiles(recipe, args, tags, tmp_path):
+    from image_folder import write_image_folder
+    if recipe == "gpt":
+        (tmp_path / "corpus.txt").write_text("\n".join(f"line {i} of a small corpus {i * 7 % 11}" for i in range(800)))
+        args = [*args, "--data-files", str(tmp_path / "corpus.txt")]
+    if recipe == "resnet":
+        args = [*args, "--data-dir", str(write_image_folder(tmp_path / "images", 16, 4, size=16))]
+    out = tmp_path / "out"
+    code, output = run_command([sys.executable, f"recipes/{recipe}.py", *args, "--output-dir", str(out),
+                                "--report-to", "tensorboard", "--profile", "2"])
+    assert code == 0, output[-3000:]
+    assert tags <= tensorboard_scalars(out / "tensorboard")
+    assert (out / "curves.png").read_bytes().startswith(PNG_MAGIC)
+    assert list(traces(out)) == [0]
+    summary = json.loads((out / "summary.json").read_text())
+    if recipe != "linear_regression":  # the SGD lab gathers (m, n) every step: its timing would mean nothing
+        assert summary["timing"]["micro_batches"] > 0 and summary["timing"]["optimizer_ms"] > 0
+
+
+def test_unknown_report_target_is_one_line():
+    out = subprocess.run([sys.executable, "recipes/mnist.py", "--report-to", "wandb"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "invalid choice: 'wandb'" in out.stderr
+
+
+# --- bench/ --------------------------------------------------------------------------------------
+
+def test_baseline_trains_the_recipes_model():
+    sys.path.insert(0, str(REPO / "recipes"))
+    sys.path.insert(0, str(REPO / "bench"))
+    import ddp_baseline
+    import mnist
+    ours, theirs = mnist.ConvNet().state_dict(), ddp_baseline.ConvNet().state_dict()
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_writes_the_report(tmp_path):
+    """Tiny sizes; what is checked is the report, never a timing."""
+    out = tmp_path / "report"
+    code, output = run_command([sys.executable, "bench/benchmark.py", "--steps", "6", "--train-size", "512",
+                                "--test-size", "64", "--log-every", "2", "--configs", "2gpu.yaml",
+                                "deepspeed_zero2.yaml", "--data-dir", str(tmp_path / "data"), "--out", str(out)],
+                               timeout=900)
+    assert code == 0, output[-4000:]
+    report = json.loads((out / "results.json").read_text())
+    names = [row["name"] for row in report["table"]]
+    assert names == ["ddp-by-hand (per-sample ToTensor)", "ddp-by-hand (tensor pipeline)", "2gpu.yaml",
+                     "deepspeed_zero2.yaml"]
+    for row in report["table"]:
+        assert "failed" not in row, row
+        assert row["processes"] == 2 and len(row["peak_memory_mb_per_rank"]) == 2
+        assert row["throughput"] > 0 and row["startup_s"] > 0
+        assert row["step_ms"] == pytest.approx(row["data_ms"] + row["forward_backward_ms"] + row["optimizer_ms"])
+    engines = {row["name"]: (row["engine"], row["zero_stage"]) for row in report["table"]}
+    assert engines["2gpu.yaml"] == ("MULTI_CPU", None) and engines["deepspeed_zero2.yaml"] == ("DEEPSPEED", 2)
+    ratios = report["ratios"]
+    assert set(ratios) == {"accelerate_overhead", "data_wait_share", "throughput_vs_ddp"}
+    assert ratios["throughput_vs_ddp"]["2gpu.yaml"] == 1.0
+    markdown = (out / "results.md").read_text()
+    assert markdown.count("\n| ") == 5 and "1. step time" in markdown and "2. share of the step" in markdown
+    assert (out / "results.png").read_bytes().startswith(PNG_MAGIC)
+    assert "benchmark: 100%" in output  # the tqdm bar
+
+
+def test_benchmark_refuses_an_unknown_config(tmp_path):
+    out = subprocess.run([sys.executable, "bench/benchmark.py", "--configs", "nope.yaml", "--out", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no such config in accelerate_configs/: nope.yaml" in out.stderr
+
+
+# --- launch/check_config.py ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_every_shipped_config_passes(config):
+    for recipe in ("recipes/mnist.py", "recipes/gpt.py", None):
+        errors, _ = check_config.check(str(CONFIG_DIR / config), recipe)
+        assert errors == [], errors
+
+
+DS_YAML = ("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_machines: 1\nnum_processes: 2\n"
+           "{mixed}deepspeed_config:\n{deepspeed}")
+WITH_JSON = "  deepspeed_config_file: ds.json\n"
+
+
+@pytest.mark.parametrize("yaml_text, ds_json, recipe, key, fix", [
+    # auto values that need a hidden_size
+    (DS_YAML.format(mixed="", deepspeed=WITH_JSON), {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}},
+     None, "zero_optimization.stage3_prefetch_bucket_size", "write a number"),
+    # an optimizer / scheduler block forces DummyOptim / DummyScheduler
+    (DS_YAML.format(mixed="", deepspeed=WITH_JSON), {"zero_optimization": {"stage": 2},
+                                                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+     None, "optimizer: a DeepSpeed optimizer block", "delete the \"optimizer\" block"),
+    (DS_YAML.format(mixed="", deepspeed=WITH_JSON), {"zero_optimization": {"stage": 2},
+                                                     "scheduler": {"type": "WarmupLR"}},
+     None, "scheduler: a DeepSpeed scheduler block", "delete the \"scheduler\" block"),
+    # offload with a torch optimizer that is not Adam
+    (DS_YAML.format(mixed="", deepspeed="  zero_stage: 2\n  offload_optimizer_device: cpu\n"), None,
+     "recipes/linear_regression.py", "offload_optimizer_device", "zero_force_ds_cpu_optimizer"),
+    # stage-3 options on stage 1 / 2
+    (DS_YAML.format(mixed="", deepspeed="  zero_stage: 2\n  offload_param_device: cpu\n"), None,
+     None, "deepspeed_config.offload_param_device", "set zero_stage: 3"),
+    (DS_YAML.format(mixed="", deepspeed=WITH_JSON), {"zero_optimization": {"stage": 1, "stage3_max_live_parameters": 1e9}},
+     None, "zero_optimization.stage3_max_live_parameters", "set \"stage\": 3"),
+    # mixed precision that disagrees between the YAML and the JSON
+    (DS_YAML.format(mixed="mixed_precision: bf16\n", deepspeed=WITH_JSON),
+     {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, None, "fp16.enabled", "make them agree"),
+    # accelerate's own loader and YAML syntax
+    ("distributed_type: DEEPSPEED\nnum_processes: 2\nzero_stage: 2\n", None, None, "accelerate's loader rejects it",
+     "remove or correct the key"),
+    ("distributed_type: DEEPSPEED\n num_processes: 2\n", None, None, "not valid YAML (line 2", "indentation"),
+])
+def test_each_trap_is_rejected_with_its_key_and_fix(tmp_path, yaml_text, ds_json, recipe, key, fix):
+    config = tmp_path / "broken.yaml"
+    config.write_text(yaml_text)
+    if ds_json is not None:
+        (tmp_path / "ds.json").write_text(json.dumps(ds_json))
+    cmd = [sys.executable, str(REPO / "launch" / "check_config.py"), str(config)]
+    cmd += ["--recipe", str(REPO / recipe)] if recipe else []
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0] and "Fix: " in lines[0], lines
+    assert fix in lines[0].split("Fix: ", 1)[1]
+
+
+def test_offload_with_an_adam_recipe_passes_with_a_note():
+    out = subprocess.run([sys.executable, "launch/check_config.py", "accelerate_configs/deepspeed_zero3_offload.yaml",
+                          "--recipe", "recipes/gpt.py"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "DeepSpeedCPUAdam" in out.stdout and out.stdout.rstrip().endswith(": ok")
+
+
+def test_slurm_launch_runs_the_check_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    env = {line.partition("=")[0]: line.partition("=")[2] for line in
+           (REPO / "tests/fixtures/slurm_env/step_1node_1task.env").read_text().splitlines()}
+    with pytest.raises(slurm_launch.LaunchError, match="replace recipes/resnet.py's torch.optim.SGD by DeepSpeedCPUAdam"):
+        slurm_launch.plan(slurm_launch.parse_args(["accelerate_configs/deepspeed_zero3_offload.yaml", "recipes/resnet.py"]),
+                          env, resolve=False)
+
+
+# --- launch/preflight.py -------------------------------------------------------------------------
+
+def preflight_by_hand(ranks, world_sizes, port, timeout=20):
+    """Start preflight ranks as a launcher would, with their own (possibly wrong) environments."""
+    procs = [subprocess.Popen([sys.executable, "launch/preflight.py", "--timeout", str(timeout), "--max-bytes", "4096"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ACCELERATE_USE_CPU="1"))
+             for rank, world in zip(ranks, world_sizes)]
+    results = []
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=timeout + 60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("preflight hung")
+        results.append((proc.returncode, output))
+    return results
+
+
+@pytest.mark.slow
+def test_preflight_on_two_cpu_processes(data_dir, tmp_path):
+    cmd, env = launch_command("2gpu.yaml", data_dir, tmp_path, recipe="launch/preflight.py")
+    cmd = cmd[:cmd.index("launch/preflight.py") + 1] + ["--max-bytes", str(2**20)]
+    code, output = run_command(cmd, env=env, timeout=300)
+    assert code == 0, output[-3000:]
+    rows = [line for line in output.splitlines() if line.startswith("rank ")]
+    assert len(rows) == 2 and all("| cpu (cpu) |" in row and "OMP_NUM_THREADS=1" in row for row in rows), rows
+    assert "local rank 0" in rows[0] and "local rank 1" in rows[1]
+    table = [line.split() for line in output.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in table] == [1024 * 2**i for i in range(11)]
+    for size, micros, algbw, busbw in table:  # nccl-tests: busbw = algbw * 2(n-1)/n, here n = 2
+        assert float(busbw) == pytest.approx(float(algbw), rel=1e-2, abs=2e-3)
+        assert float(algbw) == pytest.approx(int(size) / float(micros) / 1e3, rel=0.05, abs=2e-3)
+    assert "preflight: ok, 2 ranks agree on world size 2 and backend gloo" in output
+
+
+@pytest.mark.slow
+def test_preflight_finds_a_gpu_launch_without_gpus(data_dir, tmp_path):
+    cmd, env = launch_command("2gpu.yaml", data_dir, tmp_path, recipe="launch/preflight.py")
+    cmd = cmd[:cmd.index("launch/preflight.py") + 1]
+    env.pop("ACCELERATE_USE_CPU")
+    code, output = run_command(cmd, env=env, timeout=300)
+    assert code != 0
+    assert "preflight: error: rank 0 on" in output and "sees no GPU" in output and "ACCELERATE_USE_CPU=1" in output
+
+
+def test_preflight_world_sizes_that_disagree():
+    (code0, out0), (code1, out1) = preflight_by_hand([0, 1], [2, 3], free_port())
+    assert code0 == 1 and code1 == 1
+    assert "rank 1 on" in out1 and "has world_size 3 but rank 0" in out1 and "has 2" in out1
+    assert "rank 1 on" in out0 and "has world_size 3 but rank 0 has 2" in out0
+
+
+def test_preflight_a_rank_that_cannot_reach_the_main_address():
+    port = free_port()  # nobody listens there
+    [(code, output)] = preflight_by_hand([1], [2], port, timeout=3)
+    assert code == 1
+    assert "preflight: error: rank 1 on" in output and f"cannot reach the main address 127.0.0.1:{port}" in output
+
+
+def test_preflight_outside_a_launcher():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "launch/preflight.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and out.stderr.startswith("preflight: error: RANK is not set: run this under")
