@@ -14,7 +14,8 @@ never (accelerate 1.15, DeepSpeed 0.19):
   * optimizer offload with a torch optimizer: accelerate silently replaces ANY torch optimizer by
     DeepSpeedCPUAdam, SGD too (with --recipe the recipe's optimizer is read from its source);
   * stage-3 options on stage 1 or 2: DeepSpeed ignores them without a word;
-  * mixed precision that the YAML and the DeepSpeed JSON state differently;
+  * mixed precision in the YAML next to a DeepSpeed JSON (accelerate refuses it at start-up, and
+    the error names both values when they disagree); with a JSON only the JSON decides;
   * YAML DeepSpeed keys next to deepspeed_config_file: accelerate refuses the mix at start-up.
 Exit 0 when the config is usable (notes are printed), 2 with one line per problem otherwise.
 launch/slurm_launch.py runs this check in every task before it launches anything.
@@ -158,18 +159,21 @@ def check_deepspeed(raw, ds_json, recipe, problems):
                 problems.error(f"zero_optimization.{key}", f"is a ZeRO-3 option, and the stage is {stage}: DeepSpeed "
                                "ignores it silently", "remove it, or set \"stage\": 3")
 
-    if ds_json:
-        wanted = raw.get("mixed_precision", "no")
+    if ds_json:  # precision: with a DeepSpeed JSON, only the JSON decides
         states = {dtype: enabled(ds_json.get(dtype)) for dtype in ("fp16", "bf16")}
-        for dtype, state in states.items():
-            if state is True and wanted != dtype:
-                problems.error(f"{dtype}.enabled", f"is true in the DeepSpeed JSON but the YAML says mixed_precision: "
-                               f"{wanted}; accelerate and DeepSpeed would disagree on the dtype",
-                               f"make them agree: mixed_precision: {dtype} in the YAML, or \"enabled\": \"auto\" "
-                               f"in the JSON")
-            if state is False and wanted == dtype:
-                problems.error(f"{dtype}.enabled", f"is false in the DeepSpeed JSON but the YAML says mixed_precision: "
-                               f"{dtype}", "set \"enabled\": \"auto\" (or true) in the JSON, or mixed_precision: no")
+        json_says = next((dtype for dtype, state in states.items() if state), "no")
+        if "mixed_precision" in raw:
+            yaml_says = raw["mixed_precision"] or "no"
+            agree = yaml_says == json_says and not (yaml_says != "no" and states.get(yaml_says) is False)
+            problems.error("mixed_precision", (f"the YAML says {yaml_says} but the DeepSpeed JSON says {json_says} "
+                           f"(fp16.enabled={states['fp16']}, bf16.enabled={states['bf16']})" if not agree else
+                           "set in the YAML next to deepspeed_config_file") + "; accelerate refuses "
+                           "mixed_precision in the YAML next to a DeepSpeed JSON when the job starts",
+                           "remove mixed_precision from the YAML and set \"bf16\" or \"fp16\" {\"enabled\": true} "
+                           "in the JSON")
+        if any(state is not None for state in states.values()):
+            problems.note(f"precision comes from the DeepSpeed JSON ({json_says}); `accelerate launch --mixed_precision` "
+                          f"is ignored with a JSON (observed with accelerate 1.15)")
 
 
 def check(config, recipe=None):

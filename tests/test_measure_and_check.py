@@ -174,7 +174,12 @@ WITH_JSON = "  deepspeed_config_file: ds.json\n"
      None, "zero_optimization.stage3_max_live_parameters", "set \"stage\": 3"),
     # mixed precision that disagrees between the YAML and the JSON
     (DS_YAML.format(mixed="mixed_precision: bf16\n", deepspeed=WITH_JSON),
-     {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, None, "fp16.enabled", "make them agree"),
+     {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, None,
+     "mixed_precision: the YAML says bf16 but the DeepSpeed JSON says fp16", "remove mixed_precision from the YAML"),
+    # ... and even when they agree, accelerate refuses the YAML key next to a JSON
+    (DS_YAML.format(mixed="mixed_precision: bf16\n", deepspeed=WITH_JSON),
+     {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, None,
+     "mixed_precision: set in the YAML next to deepspeed_config_file", "remove mixed_precision from the YAML"),
     # accelerate's own loader and YAML syntax
     ("distributed_type: DEEPSPEED\nnum_processes: 2\nzero_stage: 2\n", None, None, "accelerate's loader rejects it",
      "remove or correct the key"),
