@@ -171,11 +171,12 @@ def measure(name, repeat, cmd, env, out, threads):
     summary = json.loads((run_dir / "summary.json").read_text())
     timing = summary["timing"]
     unit = next(k for k in timing if k.endswith("_per_s"))
-    step_ms = timing["data_ms"] + timing["forward_backward_ms"] + timing["optimizer_ms"]
+    step_ms = timing["data_ms"] + timing["forward_backward_ms"] + timing["optimizer_ms"] + timing["other_ms"]
     return {**result, "engine": summary.get("distributed_type"), "zero_stage": summary.get("deepspeed_stage"),
             "processes": summary["world_size"], "unit": unit, "throughput": timing[unit],
             "startup_s": timing["first_step_at"] - started, "step_ms": step_ms, "data_ms": timing["data_ms"],
             "forward_backward_ms": timing["forward_backward_ms"], "optimizer_ms": timing["optimizer_ms"],
+            "other_ms": timing["other_ms"],
             "data_fraction": timing["data_fraction"], "optimizer_in_backward": timing["optimizer_in_backward"],
             "peak_memory_mb_per_rank": summary["peak_memory_mb_per_rank"], "peak_memory_kind": summary["peak_memory_kind"],
             "metrics": read_jsonl(run_dir / "metrics.jsonl"), "evals": read_jsonl(run_dir / "eval.jsonl"),
@@ -206,7 +207,7 @@ def aggregate(results, target_loss, target_accuracy):
             "name": name, "runs": len(good), "processes": good[0]["processes"], "unit": good[0]["unit"],
             "engine": good[0]["engine"], "zero_stage": good[0]["zero_stage"],
             **{key: med(key) for key in ("throughput", "startup_s", "step_ms", "data_ms", "forward_backward_ms",
-                                         "optimizer_ms", "data_fraction")},
+                                         "optimizer_ms", "other_ms", "data_fraction")},
             "optimizer_in_backward": good[0]["optimizer_in_backward"],
             "peak_memory_mb_per_rank": [statistics.median(col) for col in zip(*(r["peak_memory_mb_per_rank"] for r in good))],
             "peak_memory_kind": good[0]["peak_memory_kind"],
@@ -253,18 +254,18 @@ def write_markdown(path, report):
     lines = [f"Measured {report['date']} on {hw['label']} ({hw['host']}); torch {hw['torch']}, accelerate "
              f"{hw['accelerate']}, DeepSpeed {hw['deepspeed']}. Recipe `{s['recipe']}`, {s['steps']} steps, global batch "
              f"{s['batch_size']}, precision {s['mixed_precision']}, median of {s['repeats']} run(s) each.", "",
-             f"| run | procs | start-up s | {unit} | vs DDP | step ms | data ms | fwd+bwd ms | optimizer ms | data share "
+             f"| run | procs | start-up s | {unit} | vs DDP | step ms | data ms | fwd+bwd ms | optimizer ms | other ms | data share "
              f"| peak MB per proc | s to loss <= {s['target_loss']} | s to acc >= {s['target_accuracy']} |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
     for row in table:
         if "failed" in row:
-            lines.append(f"| {row['name']} | FAILED: see {row['log']} |" + " |" * 11)
+            lines.append(f"| {row['name']} | FAILED: see {row['log']} |" + " |" * 12)
             continue
         opt = "in bwd" if row["optimizer_in_backward"] else fmt(row["optimizer_ms"])
         lines.append(f"| {row['name']} | {row['processes']} | {fmt(row['startup_s'])} | {row['throughput']:.0f} | "
                      f"{fmt(vs.get(row['name']), '{:.2f}')} | {row['step_ms']:.1f} | {row['data_ms']:.1f} | "
-                     f"{row['forward_backward_ms']:.1f} | {opt} | {100 * row['data_fraction']:.1f}% | "
+                     f"{row['forward_backward_ms']:.1f} | {opt} | {row['other_ms']:.1f} | {100 * row['data_fraction']:.1f}% | "
                      f"{' / '.join(f'{m:.0f}' for m in row['peak_memory_mb_per_rank'])} | "
                      f"{fmt(row['time_to_target_loss_s'])} | {fmt(row['time_to_target_accuracy_s'])} |")
     lines.append("")
@@ -279,7 +280,8 @@ def write_markdown(path, report):
     if vs:
         lines.append("3. throughput relative to DDP (" + DDP + "): " + ", ".join(f"{k} {v:.2f}" for k, v in vs.items()))
     lines.append(f"\nPeak memory is {table[0].get('peak_memory_kind', '')} per process. \"in bwd\": under DeepSpeed "
-                 "the optimizer step runs inside accelerator.backward() and is counted in fwd+bwd.")
+                 "the optimizer step runs inside accelerator.backward() and is counted in fwd+bwd. \"other\": the "
+                 "recipe's per-step bookkeeping (the stop agreement, an all-reduce of one scalar; logging).")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -294,7 +296,8 @@ def write_chart(path, report):
     ax1.barh(names, [vs.get(row["name"], row["throughput"]) for row in rows], color="tab:blue")
     ax1.set(title="throughput relative to DDP" if vs else "throughput", xlabel="x DDP" if vs else rows[0]["unit"])
     left = [0.0] * len(rows)
-    for phase, colour in (("data_ms", "tab:red"), ("forward_backward_ms", "tab:green"), ("optimizer_ms", "tab:orange")):
+    for phase, colour in (("data_ms", "tab:red"), ("forward_backward_ms", "tab:green"), ("optimizer_ms", "tab:orange"),
+                          ("other_ms", "tab:grey")):
         values = [row[phase] for row in rows]
         ax2.barh(names, values, left=left, color=colour, label=phase.replace("_ms", "").replace("_", "+"))
         left = [a + b for a, b in zip(left, values)]

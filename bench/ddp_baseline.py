@@ -180,7 +180,7 @@ def main():
         summary = {"recipe": "ddp_baseline", "pipeline": args.pipeline, "distributed_type": "DDP by hand",
                    "world_size": world, "steps": step, "test_accuracy": accuracy,
                    "timing": {"micro_batches": steady["micro_batches"], "first_step_at": first_step_at,
-                              **{f"{p}_ms": 1000 * steady[p] / n for p in phases},
+                              **{f"{p}_ms": 1000 * steady[p] / n for p in phases}, "other_ms": 0.0,
                               "samples_per_s": steady["micro_batches"] * args.batch_size / max(total, 1e-9),
                               "data_fraction": steady["data"] / max(total, 1e-9), "optimizer_in_backward": False},
                    "peak_memory_mb": max(peaks), "peak_memory_mb_per_rank": peaks,

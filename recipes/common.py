@@ -143,8 +143,9 @@ def resumable_epochs(accelerator, loader, progress, epochs, steps_per_epoch, gra
 
 
 class Window:
-    """Loss and the time split between waiting for data, forward+backward and the optimizer step,
-    since the last progress line.
+    """Loss and the time split between waiting for data, forward+backward, the optimizer step and the
+    recipe's own per-step bookkeeping ('other': stop agreement, logging, checkpoints), since the last
+    progress line.
 
     total_data / total_compute keep the whole run's split (seeded from a checkpoint on resume).
     timing() is the steady state of this process for benchmarks: everything after its first
@@ -159,11 +160,12 @@ class Window:
         cuda = accelerator.device.type == "cuda"
         self.sync = (lambda: torch.cuda.synchronize(accelerator.device)) if cuda else (lambda: None)
         self.first_step_at = None  # wall-clock time of this process's first finished micro-batch
-        self.steady = {"micro_batches": 0, "data": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
+        self.steady = {"micro_batches": 0, "data": 0.0, "forward_backward": 0.0, "optimizer": 0.0, "other": 0.0}
+        self.counted = False  # whether the last micro-batch belongs to the steady state
         self.reset()
 
     def reset(self):
-        self.data = self.forward_backward = self.optimizer = 0.0
+        self.data = self.forward_backward = self.optimizer = self.other = 0.0
         self.micro = 0
         self.loss = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         self.mark = time.perf_counter()
@@ -194,6 +196,7 @@ class Window:
             self.forward_backward += self._lap("forward_backward")
             self.phases["optimizer"] = 0.0
         self.total_compute += self.phases["forward_backward"] + self.phases["optimizer"]
+        self.counted = self.first_step_at is not None
         if self.first_step_at is None:
             self.first_step_at = time.time()
         else:
@@ -204,24 +207,36 @@ class Window:
         self.micro += 1
         self.loss += loss.detach()
 
+    def bookkeeping_done(self):
+        """Call after the step's own bookkeeping (stop agreement, logging, checkpoint): its time is 'other',
+        not data wait."""
+        spent = self._lap("other")
+        self.other += spent
+        self.total_compute += spent
+        if self.counted:
+            self.steady["other"] += spent
+        self.phases = {}
+
     def record(self, samples_per_micro, **extra):
         """Collective (the loss is averaged over ranks): this window's metrics; then a new window starts."""
-        compute = self.forward_backward + self.optimizer
+        compute = self.forward_backward + self.optimizer + self.other
         elapsed, micro = max(self.data + compute, 1e-9), max(self.micro, 1)
         record = {**extra, "loss": self.accelerator.reduce(self.loss / micro, "mean").item(),
                   "samples_per_s": self.micro * samples_per_micro / elapsed,
                   "data_ms": 1000 * self.data / micro, "compute_ms": 1000 * compute / micro,
                   "forward_backward_ms": 1000 * self.forward_backward / micro,
-                  "optimizer_ms": 1000 * self.optimizer / micro, "data_fraction": self.data / elapsed}
+                  "optimizer_ms": 1000 * self.optimizer / micro, "other_ms": 1000 * self.other / micro,
+                  "data_fraction": self.data / elapsed}
         self.reset()
         return record
 
     def timing(self, samples_per_micro, unit="samples"):
         """This process's steady state (after its first micro-batch), for the summary and bench/."""
         n = max(self.steady["micro_batches"], 1)
-        total = self.steady["data"] + self.steady["forward_backward"] + self.steady["optimizer"]
+        phases = ("data", "forward_backward", "optimizer", "other")
+        total = sum(self.steady[phase] for phase in phases)
         return {"micro_batches": self.steady["micro_batches"], "first_step_at": self.first_step_at,
-                **{f"{phase}_ms": 1000 * self.steady[phase] / n for phase in ("data", "forward_backward", "optimizer")},
+                **{f"{phase}_ms": 1000 * self.steady[phase] / n for phase in phases},
                 f"{unit}_per_s": self.steady["micro_batches"] * samples_per_micro / max(total, 1e-9),
                 "data_fraction": self.steady["data"] / max(total, 1e-9),
                 "optimizer_in_backward": self.accelerator.distributed_type == DistributedType.DEEPSPEED}

@@ -316,7 +316,7 @@ def main(argv=None):
                     + (f" | val loss {val_loss:.4f}" if "val_loss" in record else "")
                     + f" | {record['tokens_per_s']:.0f} tokens/s" + (f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
                     + f" | per micro-batch: data {record['data_ms']:.1f} ms, forward+backward "
-                      f"{record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms")
+                      f"{record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms, other {record['other_ms']:.1f} ms")
             stopping = stopper.agreed(accelerator)
             finished = step_in_epoch == steps_per_epoch
             if args.checkpoint_dir and (stopping or finished or (args.checkpoint_every and step % args.checkpoint_every == 0)):
@@ -324,6 +324,7 @@ def main(argv=None):
                     "epoch": epoch + finished, "step_in_epoch": 0 if finished else step_in_epoch, "step": step,
                     "first_loss": first_loss, "val_loss": val_loss, "data_time": window.total_data,
                     "compute_time": window.total_compute, "train_time": progress["train_time"] + time.perf_counter() - train_start})
+            window.bookkeeping_done()
             if stopping or step >= total_steps:
                 break
         if stopping:

@@ -270,11 +270,13 @@ def main(argv=None):
                 metrics.write(record)
                 line = (f"epoch {epoch} step {step}/{total_steps} | loss {record['loss']:.4f} | "
                         f"{record['samples_per_s']:.0f} samples/s | per micro-batch: data {record['data_ms']:.1f} ms, "
-                        f"forward+backward {record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms")
+                        f"forward+backward {record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms, "
+                        f"other {record['other_ms']:.1f} ms")
                 tqdm.write(line) if not bar.disable else log(line)
             stopping = stopper.agreed(accelerator)  # every rank, every step: nobody waits for a rank that left
             if args.checkpoint_dir and (stopping or (args.checkpoint_every and step % args.checkpoint_every == 0)):
                 save_checkpoint(epoch, step_in_epoch, epoch_loss)
+            window.bookkeeping_done()
             if stopping or step >= total_steps:
                 break
         if stopping:

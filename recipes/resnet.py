@@ -222,7 +222,8 @@ def main(argv=None):
                 metrics.write(record)
                 log(f"epoch {epoch} step {step}/{total_steps} | loss {record['loss']:.4f} | "
                     f"{record['samples_per_s']:.0f} images/s | per step: data {record['data_ms']:.1f} ms, forward+backward "
-                    f"{record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms "
+                    f"{record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms, other "
+                    f"{record['other_ms']:.1f} ms "
                     f"({100 * record['data_fraction']:.0f}% waiting for data)")
             stopping = stopper.agreed(accelerator)
             finished = step_in_epoch == steps_per_epoch
@@ -231,6 +232,7 @@ def main(argv=None):
                     "epoch": epoch + finished, "step_in_epoch": 0 if finished else step_in_epoch, "step": step,
                     "first_loss": first_loss, "data_time": window.total_data, "compute_time": window.total_compute,
                     "train_time": progress["train_time"] + time.perf_counter() - train_start})
+            window.bookkeeping_done()
             if stopping or step >= total_steps:
                 break
         if stopping:

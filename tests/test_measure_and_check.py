@@ -43,7 +43,7 @@ def test_mnist_reports_to_tensorboard_and_profiles_every_rank(launch):
     run = launch("deepspeed_zero2.yaml", "--epochs", "2", "--batch-size", "200", "--log-every", "2",
                  "--report-to", "tensorboard", "--profile", "2", launch_args=("--mixed_precision", "no"))
     tags = tensorboard_scalars(run.out_dir / "tensorboard")
-    assert {"loss", "lr", "samples_per_s", "data_ms", "forward_backward_ms", "optimizer_ms", "data_fraction",
+    assert {"loss", "lr", "samples_per_s", "data_ms", "forward_backward_ms", "optimizer_ms", "other_ms", "data_fraction",
             "test_accuracy", "test_loss"} <= tags, tags
     assert (run.out_dir / "curves.png").read_bytes().startswith(PNG_MAGIC)
     evals = [json.loads(line) for line in (run.out_dir / "eval.jsonl").read_text().splitlines()]
@@ -55,7 +55,7 @@ def test_mnist_reports_to_tensorboard_and_profiles_every_rank(launch):
         assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, steps  # one skipped, one warm-up, 2 recorded
     timing = run.summary["timing"]
     assert timing["micro_batches"] == 19 and timing["optimizer_in_backward"] is True  # DeepSpeed steps in backward
-    assert timing["forward_backward_ms"] > 0 and timing["samples_per_s"] > 0
+    assert timing["forward_backward_ms"] > 0 and timing["other_ms"] > 0 and timing["samples_per_s"] > 0
     assert len(run.summary["peak_memory_mb_per_rank"]) == 2
 
 
@@ -121,7 +121,8 @@ def test_benchmark_smoke_writes_the_report(tmp_path):
         assert "failed" not in row, row
         assert row["processes"] == 2 and len(row["peak_memory_mb_per_rank"]) == 2
         assert row["throughput"] > 0 and row["startup_s"] > 0
-        assert row["step_ms"] == pytest.approx(row["data_ms"] + row["forward_backward_ms"] + row["optimizer_ms"])
+        assert row["step_ms"] == pytest.approx(row["data_ms"] + row["forward_backward_ms"] + row["optimizer_ms"]
+                                               + row["other_ms"])
     engines = {row["name"]: (row["engine"], row["zero_stage"]) for row in report["table"]}
     assert engines["2gpu.yaml"] == ("MULTI_CPU", None) and engines["deepspeed_zero2.yaml"] == ("DEEPSPEED", 2)
     ratios = report["ratios"]
