@@ -46,6 +46,9 @@ def add_checkpoint_args(parser):
     group.add_argument("--stop-signals", default="USR1,TERM",
                        help="signals that make every rank finish its step, save a checkpoint and exit "
                             f"with code {EXIT_STOPPED} (comma-separated; '' to disable)")
+    group.add_argument("--stop-check-every", type=int, default=1, metavar="N",
+                       help="ranks agree on stopping every N optimizer steps (one scalar all-reduce and a device "
+                            "sync each time; raise N when steps are a few ms, see README 'Measuring')")
 
 
 def _signal_numbers(names):
@@ -63,9 +66,12 @@ def ignore_stop_signals(names, worker_id=None):
 class GracefulStop:
     """Remember that a stop signal arrived; all ranks then agree on the step to stop after."""
 
-    def __init__(self, names):
+    def __init__(self, names, check_every=1):
         self.received = None
-        for number in _signal_numbers(names):
+        numbers = _signal_numbers(names)
+        self.enabled = bool(numbers)  # --stop-signals '': nothing to agree on, no collective per step
+        self.check_every, self.calls = max(check_every, 1), 0
+        for number in numbers:
             signal.signal(number, self._handler)
 
     def _handler(self, signum, frame):
@@ -74,6 +80,10 @@ class GracefulStop:
 
     def agreed(self, accelerator):
         """True on every rank once any rank got a signal. Collective: call it on all ranks at the same step."""
+        # Every rank has the same flags and makes the same calls, so all skip or all check.
+        self.calls += 1
+        if not self.enabled or self.calls % self.check_every:
+            return False
         flag = torch.tensor([1.0 if self.received else 0.0], device=accelerator.device)
         return accelerator.reduce(flag, "sum").item() > 0
 

@@ -22,6 +22,9 @@ Reporting: tokens/s over all processes, and model FLOPs utilisation (MFU) when y
 --peak-tflops per GPU (989 for an H100 SXM in dense bf16): MFU = (6 N + 12 L d T) FLOPs
 per token x tokens/s / (peak x processes), N the parameters without the position table.
 
+--report-to tensorboard (or png) draws the curves, --profile 5 traces 5 steps per rank,
+and bench/benchmark.py --recipe gpt compares the configs' tokens/s and memory.
+
 Memory of the model states per GPU on 2 GPUs, with AdamW (bytes per parameter: DDP
 keeps fp32 weights, fp32 gradients, DDP's gradient buckets and two fp32 Adam moments:
 20; DeepSpeed bf16 keeps bf16 weights and gradients plus fp32 master weights and
@@ -223,7 +226,7 @@ def generate(model, accelerator, prompt, tokens, temperature, top_k, block_size)
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
-    stopper = GracefulStop(args.stop_signals)
+    stopper = GracefulStop(args.stop_signals, args.stop_check_every)
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, dataloader_config=DataLoaderConfiguration(
         split_batches=True, use_seedable_sampler=True), **tracking(args))
     check_launch(accelerator)

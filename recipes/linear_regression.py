@@ -19,6 +19,7 @@ less noisy, and the linear scaling rule (Goyal et al. 2017) takes proportionally
 steps to keep the progress per epoch. Leave it off when the global batch is fixed: the
 run is then the same computation as on one process and needs the same learning rate.
 
+--report-to tensorboard (or png) logs (m, n) and the loss; --profile 5 traces 5 steps.
 --plot writes trajectory.png: the path of (m, n) over the contour lines of the loss,
 and with --compare-batch-sizes the paths of batch size 1, this mini-batch and the full
 batch computed on the main process for comparison, as in the lab.
@@ -126,7 +127,7 @@ def plot(path, x, y, args, filename):
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
-    stopper = GracefulStop(args.stop_signals)
+    stopper = GracefulStop(args.stop_signals, args.stop_check_every)
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
                               **tracking(args))
     check_launch(accelerator)

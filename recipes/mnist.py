@@ -161,7 +161,7 @@ def evaluate(model, loader, accelerator, input_dtype):
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
-    stopper = GracefulStop(args.stop_signals)  # first: a preemption signal may come during start-up
+    stopper = GracefulStop(args.stop_signals, args.stop_check_every)  # first: a signal may come during start-up
     accelerator = Accelerator(
         gradient_accumulation_steps=args.grad_accum,
         # split_batches: the loader yields GLOBAL batches and each process takes its slice.

@@ -17,12 +17,15 @@ workers that persist across epochs. Images of 64 pixels or less get the usual CI
 channels_last, and the configs' bf16 applies.
 
 Data-bound or compute-bound? Every progress line splits the time per step into
-"data" (the training loop blocked, waiting for the loader's next batch) and "compute"
-(forward, backward, optimizer, including waiting for the other ranks). The summary
-gives data_fraction for the whole run. When data_fraction is more than a few percent,
+"data" (the training loop blocked, waiting for the loader's next batch), forward+backward
+(including waiting for the other ranks' gradients), optimizer, and "other" (the stop
+agreement, logging, checkpoints). The summary gives data_fraction for the whole run. When data_fraction is more than a few percent,
 the GPUs wait for JPEG decoding: raise --num-workers (up to the cores per GPU), put the
 data on local or faster storage, or make the augmentation cheaper. When it is near 0,
 the run is compute-bound and more workers change nothing.
+
+Watching it: --report-to tensorboard (or png) for curves, --profile 5 for a trace of 5 steps
+per rank (README "Watching a run"); bench/benchmark.py --recipe resnet compares the configs.
 
 Optimizer: SGD with Nesterov momentum and a cosine schedule, the usual ResNet recipe.
 Not for deepspeed_zero3_offload.yaml: optimizer offload replaces SGD by DeepSpeed's
@@ -140,7 +143,7 @@ def evaluate(model, loader, accelerator, prepare):
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
-    stopper = GracefulStop(args.stop_signals)
+    stopper = GracefulStop(args.stop_signals, args.stop_check_every)
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
                               **tracking(args))
     check_launch(accelerator)

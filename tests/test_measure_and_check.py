@@ -281,3 +281,31 @@ def test_preflight_outside_a_launcher():
     out = subprocess.run([sys.executable, "launch/preflight.py"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1 and out.stderr.startswith("preflight: error: RANK is not set: run this under")
+
+
+def test_stop_agreement_every_n_steps_and_never_without_signals():
+    """--stop-check-every N: all ranks make the same calls, so all skip or all check; no signals, no collective."""
+    import signal
+
+    import torch
+    sys.path.insert(0, str(REPO / "recipes"))
+    from checkpointing import GracefulStop
+
+    class OneRank:  # what agreed() uses of an Accelerator; counts the collectives
+        device, reductions = torch.device("cpu"), 0
+
+        def reduce(self, tensor, op):
+            self.reductions += 1
+            return tensor
+
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        rank = OneRank()
+        stopper = GracefulStop("USR2", check_every=3)
+        stopper.received = "SIGUSR2"
+        assert [stopper.agreed(rank) for _ in range(6)] == [False, False, True, False, False, True]
+        assert rank.reductions == 2
+        silent, rank = GracefulStop("", check_every=1), OneRank()
+        assert not any(silent.agreed(rank) for _ in range(5)) and rank.reductions == 0
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
