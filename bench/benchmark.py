@@ -302,7 +302,7 @@ def write_chart(path, report):
         ax2.barh(names, values, left=left, color=colour, label=phase.replace("_ms", "").replace("_", "+"))
         left = [a + b for a, b in zip(left, values)]
     ax2.set(title="time per step", xlabel="ms")
-    ax2.legend()
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, fontsize=8)
     ax3.barh(names, [max(row["peak_memory_mb_per_rank"]) for row in rows], color="tab:purple")
     ax3.set(title=f"peak memory per process ({rows[0]['peak_memory_kind']})", xlabel="MB")
     for ax in (ax2, ax3):
