@@ -43,6 +43,7 @@ CPU_SHIM = REPO / "tests" / "cpu_shim"
 MULTI_PROCESS_CONFIGS = ["2gpu.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
                          "deepspeed_zero3_offload.yaml", "fsdp.yaml"]
 DEFAULT_TARGET_LOSS = {"mnist": 0.3, "gpt": 3.0, "resnet": 0.5}
+DEFAULT_BATCH = {"mnist": 128, "gpt": 32, "resnet": 64}  # global; resnet below its recipe's 256, for CPUs
 BASELINES = {"ddp-by-hand (per-sample ToTensor)": "per-sample", "ddp-by-hand (tensor pipeline)": "tensor"}
 DDP = "2gpu.yaml"
 
@@ -53,7 +54,7 @@ def parse_args():
     p.add_argument("--configs", nargs="+", default=MULTI_PROCESS_CONFIGS, help="files in accelerate_configs/")
     p.add_argument("--no-baselines", action="store_true", help="MNIST only: skip the two hand-written DDP runs")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
-    p.add_argument("--batch-size", type=int, default=0, help="GLOBAL batch (0: 128 for mnist, the recipe's default else)")
+    p.add_argument("--batch-size", type=int, default=0, help="GLOBAL batch (0: mnist 128, gpt 32, resnet 64)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
                    help="override every config's precision (the baselines are fp32)")
@@ -72,6 +73,7 @@ def parse_args():
     missing = [c for c in args.configs if not (CONFIGS / c).is_file()]
     if missing:
         p.error(f"no such config in accelerate_configs/: {', '.join(missing)}")
+    args.batch_size = args.batch_size or DEFAULT_BATCH[args.recipe]
     if args.steps < 3 or args.repeats < 1:
         p.error("--steps must be at least 3 (the first step is start-up) and --repeats at least 1")
     return args
@@ -121,10 +123,9 @@ def config_launch(config, processes, on_gpu, mixed_precision):
 
 def plan_runs(args, processes, on_gpu, data_root):
     """[(name, command, environment)], one per run, repeats interleaved so drift hits every run alike."""
-    batch = args.batch_size or {"mnist": 128, "gpt": 32, "resnet": 64}[args.recipe]
-    common = ["--seed", str(args.seed), "--batch-size", str(batch), "--log-every", str(args.log_every)]
+    common = ["--seed", str(args.seed), "--batch-size", str(args.batch_size), "--log-every", str(args.log_every)]
     if args.recipe == "mnist":
-        epochs = math.ceil(args.steps / (args.train_size // batch))
+        epochs = math.ceil(args.steps / (args.train_size // args.batch_size))
         recipe_args = ["--data", "synthetic" if "synthetic-" in str(data_root) else "mnist", "--data-dir", args.data_dir,
                        "--synthetic-train-size", str(args.train_size), "--synthetic-test-size", str(args.test_size),
                        "--epochs", str(epochs), "--max-steps", str(args.steps), *common]
@@ -342,7 +343,7 @@ def main():
             bar.update(1)
     table = aggregate(results, target_loss, args.target_accuracy)
     report = {"date": time.strftime("%Y-%m-%d"), "hardware": hardware(),
-              "settings": {**vars(args), "batch_size": args.batch_size or {"mnist": 128, "gpt": 32, "resnet": 64}[args.recipe],
+              "settings": {**vars(args),
                            "target_loss": target_loss, "processes": processes, "threads_per_process": threads},
               "table": table, "ratios": ratios(table, results),
               "runs": [{k: v for k, v in r.items() if k not in ("metrics", "evals")} for r in results]}

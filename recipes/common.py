@@ -190,11 +190,7 @@ class Window:
 
     def step_done(self, loss):
         """Call after optimizer.zero_grad(): the time since backward_done was the optimizer step."""
-        if "forward_backward" in self.phases:
-            self.optimizer += self._lap("optimizer")
-        else:  # a recipe that does not call backward_done: all of it counts as forward+backward
-            self.forward_backward += self._lap("forward_backward")
-            self.phases["optimizer"] = 0.0
+        self.optimizer += self._lap("optimizer")
         self.total_compute += self.phases["forward_backward"] + self.phases["optimizer"]
         self.counted = self.first_step_at is not None
         if self.first_step_at is None:
@@ -309,9 +305,9 @@ class MetricsLog:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
-            scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "epoch")}
             if self.accelerator.trackers:
-                self.accelerator.log(scalars, step=record["step"])
+                self.accelerator.log({k: v for k, v in record.items()
+                                      if isinstance(v, (int, float)) and k not in ("step", "epoch")}, step=record["step"])
 
     def close(self):
         if self.file:
