@@ -109,6 +109,7 @@ def gather_facts(store, facts, rank, world, host, port, timeout):
     except Exception:
         fail(f"rank {rank} on {facts['host']} reached {host}:{port} but rank 0 never reported within {timeout:.0f} s")
     main = json.loads(store.get(prefix + "0"))
+    store.set(prefix + f"read/{rank}", "1")  # rank 0 keeps the store up until every rank has read this
     for key in ("world_size", "backend"):
         if facts[key] != main[key]:
             fail(f"rank {rank} on {facts['host']} has {key} {facts[key]!r} but rank 0 on {main['host']} has "
@@ -128,13 +129,23 @@ def gather_facts(store, facts, rank, world, host, port, timeout):
         fail(f"ranks {missing} of {world} never reached {host}:{port} within {timeout:.0f} s: see their own "
              f"error lines; a node that cannot route to {host}, or a launch that started fewer processes")
     everyone = [json.loads(store.get(prefix + str(r))) for r in range(world)]
+
+    def fail_after_all_read(message):
+        # Rank 0 may host the store: leaving at once would cut off a rank still reading rank 0's facts,
+        # and that rank would crash with a connection error instead of printing its own message.
+        try:
+            store.wait([prefix + f"read/{r}" for r in range(world)], datetime.timedelta(seconds=timeout))
+        except Exception:
+            pass
+        fail(message)
     problems = [other["problem"] for other in everyone if other["problem"]]
     if problems:  # the rank itself says so too; rank 0 must not wait for it in init_process_group
-        fail(problems[0] + (f" (and {len(problems) - 1} more rank(s) like it)" if len(problems) > 1 else ""))
+        more = f" (and {len(problems) - 1} more rank(s) like it)" if len(problems) > 1 else ""
+        fail_after_all_read(problems[0] + more)
     for other in everyone:  # a rank that joined with another world size or backend
         for key in ("world_size", "backend"):
             if other[key] != facts[key]:
-                fail(f"rank {other['rank']} on {other['host']} has {key} {other[key]!r} but rank 0 has "
+                fail_after_all_read(f"rank {other['rank']} on {other['host']} has {key} {other[key]!r} but rank 0 has "
                      f"{facts[key]!r}: every rank must be launched with the same config and process counts")
     return everyone
 
