@@ -24,6 +24,10 @@ nothing else:
    Accelerator.save_state into a directory whose name contains TEST_SLOW_SAVE_MATCH
    prints "TEST-SHIM: slow save" after writing its files and then sleeps, so a
    test can kill the run while that checkpoint is half-made.
+
+4. Only when TEST_STEP_SECONDS is set (the Slurm time-limit test): every optimizer
+   step of a worker takes at least that long, so a run's length is set by its step
+   count, not by how fast the machine happens to be.
 """
 
 import os
@@ -96,7 +100,25 @@ def _slow_save(seconds):
     Accelerator.save_state = slow_save_state
 
 
+def _slow_steps(seconds):
+    import time
+
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    step = AcceleratedOptimizer.step
+
+    def slow_step(self, *args, **kwargs):
+        started = time.monotonic()
+        result = step(self, *args, **kwargs)
+        time.sleep(max(0.0, seconds - (time.monotonic() - started)))
+        return result
+
+    AcceleratedOptimizer.step = slow_step
+
+
 def _install():
+    if os.environ.get("TEST_STEP_SECONDS") and "LOCAL_RANK" in os.environ:
+        _slow_steps(float(os.environ["TEST_STEP_SECONDS"]))
     if os.environ.get("TEST_SLOW_SAVE_SECONDS"):
         _slow_save(float(os.environ["TEST_SLOW_SAVE_SECONDS"]))
     if "LOCAL_RANK" not in os.environ:  # not a worker started by accelerate launch / torchrun
