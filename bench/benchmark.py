@@ -11,7 +11,7 @@ default, like the baselines). On a machine with GPUs every run uses all of them;
 For the MNIST recipe the same report holds two hand-written DDP baselines (bench/ddp_baseline.py):
 the course-style per-sample pipeline and the recipe's tensor pipeline.
 
-Each run's own timer (recipes/common.py Window, and the same code in the baseline) gives the
+Each run's own timer (recipes/runkit/timing.py StepTimer, and the same code in the baseline) gives the
 steady state after its first step: samples/s, the step split into data wait / forward+backward /
 optimizer, and peak memory per process. The benchmark adds the start-up time (launch to end of the
 first step) and the training time to --target-loss and --target-accuracy.
@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
-CPU_SHIM = REPO / "tests" / "cpu_shim"
+CPU_SHIM = REPO / "cpu_route"
 MULTI_PROCESS_CONFIGS = ["2gpu.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
                          "deepspeed_zero3_offload.yaml", "fsdp.yaml"]
 DEFAULT_TARGET_LOSS = {"mnist": 0.3, "gpt": 3.0, "resnet": 0.5}
@@ -113,7 +113,7 @@ def config_launch(config, processes, on_gpu, mixed_precision):
         args += ["--num_processes", str(processes)]
     if cfg.get("num_machines", 1) > 1:  # one machine here
         args += ["--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1"]
-    if not on_gpu:  # the CPU route: see tests/conftest.py and tests/cpu_shim
+    if not on_gpu:  # the CPU route: see cpu_route/sitecustomize.py
         if cfg["distributed_type"] in ("DEEPSPEED", "FSDP"):
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_SHIM), os.environ.get("PYTHONPATH")]))
         else:
@@ -326,7 +326,7 @@ def main():
     data_root = None
     if args.recipe == "mnist":  # real MNIST if it is there; else the synthetic digits the recipe would make
         sys.path.insert(0, str(REPO / "recipes"))
-        from synthetic_mnist import write_synthetic_mnist
+        from runkit.synthetic_mnist import write_synthetic_mnist
         real = Path(args.data_dir) / "MNIST" / "raw" / "train-images-idx3-ubyte"
         data_root = Path(args.data_dir).resolve() if real.exists() else write_synthetic_mnist(
             str(Path(args.data_dir).resolve() / f"synthetic-{args.train_size}-{args.test_size}"),

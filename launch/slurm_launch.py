@@ -41,7 +41,7 @@ import yaml
 import check_config  # launch/check_config.py, next to this file
 
 GPU_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP")
-EXIT_STOPPED = 75  # the recipes' code for "stopped on a signal, checkpoint saved" (recipes/checkpointing.py)
+EXIT_STOPPED = 75  # the recipes' code for "stopped on a signal, checkpoint saved" (recipes/runkit/stopping.py)
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
 

@@ -42,16 +42,17 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
 from torch.utils.data import DataLoader
 
-from common import check_batch, check_launch, engine, finish, printer, write_summary
+from runkit import checks, reporting
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset-size", type=int, default=23, help="samples 0..N-1 (odd by default, on purpose)")
     p.add_argument("--batch-size", type=int, default=4, help="GLOBAL batch, split across all processes")
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2, help="epochs whose shards are shown")
     p.add_argument("--show-batches", type=int, default=3, help="batches per rank and epoch to print")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the shuffle's seed (every rank must share it)")
     p.add_argument("--drop-last", action="store_true", help="drop the short last batch instead of topping it up")
     p.add_argument("--unseeded", action="store_true",
                    help="skip set_seed (the mistake): the ranks then shuffle differently and overlap")
@@ -62,9 +63,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
-    check_launch(accelerator)
-    check_batch(accelerator, args.batch_size)
-    log = printer(accelerator)
+    checks.check_launch(accelerator)
+    checks.check_batch(accelerator, args.batch_size)
+    log = checks.main_print(accelerator)
     if not args.unseeded:
         set_seed(args.seed)  # before building the loader: the sampler takes its seed from here
     dataset = torch.arange(args.dataset_size)
@@ -98,13 +99,13 @@ def main(argv=None):
         os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, "shards.json"), "w") as f:
             json.dump(epochs, f)
-        write_summary(args.output_dir, {
-            "recipe": "data_sharding", **engine(accelerator), "steps_per_epoch": [len(e["batches_per_rank"][0]) for e in epochs],
+        reporting.write_summary(args.output_dir, {
+            "recipe": "data_sharding", **checks.engine(accelerator), "steps_per_epoch": [len(e["batches_per_rank"][0]) for e in epochs],
             "samples_per_rank": epochs[0]["samples_per_rank"], "repeated_per_epoch": [e["repeated"] for e in epochs],
             "missing_per_epoch": [len(e["missing"]) for e in epochs],
             "evaluated_per_epoch": [len(e["evaluated"]) for e in epochs], "args": vars(args)})
     del loader
-    finish(accelerator)
+    checks.finish(accelerator)
     return 0
 
 

@@ -62,20 +62,15 @@ import math
 import os
 import sys
 import sysconfig
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
-from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
-from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, stopped
-from common import (MetricsLog, StepProfiler, Window, add_observability_args, check_batch, check_deepspeed_flags,
-                    check_launch, deepspeed_clip_like, engine, fail, finish, footprint, plot_curves, printer,
-                    resumable_epochs, start_tracking, stepping_optimizer, tracking, write_summary)
+from runkit import Run, add_run_args
 
 # name: (layers, heads, d_model, context length)
 PRESETS = {"tiny": (2, 2, 64, 64), "124M": (12, 12, 768, 1024), "350M": (24, 16, 1024, 1024),
@@ -85,33 +80,33 @@ VOCAB, SEPARATOR = 256, 0  # bytes; a 0 byte between documents
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=PRESETS, default="124M", help="model size (tiny is for tests and CPUs)")
     p.add_argument("--block-size", type=int, default=0, help="context length (0: the preset's)")
     p.add_argument("--data-files", default=None, help="local text files or globs, comma-separated")
     p.add_argument("--dataset", default=None, help="a Hugging Face hub dataset with a text column (needs internet)")
     p.add_argument("--dataset-config", default=None, help="its configuration name, e.g. wikitext-103-raw-v1")
-    p.add_argument("--text-column", default="text")
+    p.add_argument("--text-column", default="text", help="the column of --dataset that holds the text")
     p.add_argument("--max-steps", type=int, default=2000, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch in sequences, split across processes")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
     p.add_argument("--warmup-steps", type=int, default=100, help="linear warm-up, then cosine decay to lr/10")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (not on biases and norms)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (0: no clipping)")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout in attention and MLP")
     p.add_argument("--eval-every", type=int, default=250, help="validation loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=20, help="global batches of held-out text per evaluation")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="peak TFLOP/s of ONE GPU, for MFU (H100 SXM bf16: 989)")
     p.add_argument("--prompt", default="def ", help="text to continue at the end")
     p.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate (0: no sample)")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes")
+    p.add_argument("--seed", type=int, default=1337, help="weights and shuffling")
     p.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps")
     p.add_argument("--output-dir", default="runs/gpt", help="summary.json, metrics.jsonl, model.safetensors")
-    add_checkpoint_args(p)
-    add_observability_args(p)
+    add_run_args(p)
     return p.parse_args(argv)
 
 
@@ -156,7 +151,7 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def load_blocks(args, accelerator, block_size):
+def load_blocks(args, accelerator, run, block_size):
     """Packed blocks of block_size + 1 byte tokens: (train, validation) datasets of 'ids'."""
     from datasets import load_dataset
     if args.dataset:
@@ -166,7 +161,7 @@ def load_blocks(args, accelerator, block_size):
         patterns = args.data_files.split(",") if args.data_files else [os.path.join(sysconfig.get_paths()["stdlib"], "*.py")]
         files = sorted(f for pattern in patterns for f in glob.glob(os.path.expanduser(pattern)))
         if not files:
-            fail(accelerator, f"--data-files {args.data_files!r} matches no file; give paths or globs of text files")
+            run.fail(f"--data-files {args.data_files!r} matches no file; give paths or globs of text files")
         source, column = (args.data_files or "python standard library"), "text"
         load = lambda: load_dataset("text", data_files=files, sample_by="document", split="train")  # noqa: E731
 
@@ -182,15 +177,15 @@ def load_blocks(args, accelerator, block_size):
         try:
             texts = load()
         except Exception as exc:
-            fail(accelerator, f"could not load {source!r} ({type(exc).__name__}: {exc}). Offline, use --data-files "
-                              f"with local text files, or no data flag for the standard library's sources.")
+            run.fail(f"could not load {source!r} ({type(exc).__name__}: {exc}). Offline, use --data-files "
+                     f"with local text files, or no data flag for the standard library's sources.")
         tokens = texts.map(tokenize, batched=True, remove_columns=texts.column_names, desc="tokenising")
         blocks = tokens.map(pack, batched=True, batch_size=256, desc="packing")
         if len(blocks) >= 50:
             split = blocks.train_test_split(test_size=0.02, seed=0)  # cached too: same split on every rank
     if len(blocks) < 50:
-        fail(accelerator, f"{source!r} gives only {len(blocks)} blocks of {block_size + 1} bytes; give more text "
-                          f"or a smaller --block-size")
+        run.fail(f"{source!r} gives only {len(blocks)} blocks of {block_size + 1} bytes; give more text "
+                 f"or a smaller --block-size")
     return split["train"].with_format("torch"), split["test"].with_format("torch"), source
 
 
@@ -202,10 +197,10 @@ def evaluate(model, loader, accelerator, batches):
         for blocks in itertools.islice(loader, batches):
             ids = blocks["ids"]
             losses = F.cross_entropy(model(ids[:, :-1]).float().transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
-            losses = accelerator.gather_for_metrics(losses)  # drops the blocks repeated to even out the last batch
+            losses = accelerator.gather_for_metrics(losses)  # accelerate: drops the blocks repeated as padding
             total, count = total + losses.sum().item(), count + losses.numel()
     model.train()
-    return total / max(count, 1)
+    return {"val_loss": total / max(count, 1)}
 
 
 def generate(model, accelerator, prompt, tokens, temperature, top_k, block_size):
@@ -225,18 +220,15 @@ def generate(model, accelerator, prompt, tokens, temperature, top_k, block_size)
 
 def main(argv=None):
     args = parse_args(argv)
-    t_start = time.perf_counter()
-    stopper = GracefulStop(args.stop_signals, args.stop_check_every)
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, dataloader_config=DataLoaderConfiguration(
-        split_batches=True, use_seedable_sampler=True), **tracking(args))
-    check_launch(accelerator)
-    log = printer(accelerator)
-    world, setup = accelerator.num_processes, engine(accelerator)
-    check_batch(accelerator, args.batch_size, args.grad_accum)
+    run = Run("gpt", args, unit="tokens")  # first: a stop signal may come during start-up
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, dataloader_config=DataLoaderConfiguration(  # accelerate
+        split_batches=True, use_seedable_sampler=True), log_with=run.tracker, project_dir=args.output_dir)
+    run.setup(accelerator)
     set_seed(args.seed)
+    world = accelerator.num_processes
     layers, heads, d, block_size = PRESETS[args.preset]
     block_size = args.block_size or block_size
-    train_set, val_set, source = load_blocks(args, accelerator, block_size)
+    train_set, val_set, source = load_blocks(args, accelerator, run, block_size)
     micro = args.batch_size // args.grad_accum
     train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True)
     val_loader = DataLoader(val_set, batch_size=micro)
@@ -245,126 +237,52 @@ def main(argv=None):
     flops_per_token = 6 * (n_params - block_size * d) + 12 * layers * d * block_size
     decay = [p for p in model.parameters() if p.dim() >= 2]  # no weight decay on biases and LayerNorm
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=args.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     total_steps, steps_per_epoch = args.max_steps, len(train_loader) // args.grad_accum
     if steps_per_epoch == 0:
-        fail(accelerator, f"{len(train_set)} training blocks do not fill one global batch of {args.batch_size}")
-    epochs = math.ceil(total_steps / steps_per_epoch)
+        run.fail(f"{len(train_set)} training blocks do not fill one global batch of {args.batch_size}")
 
     def schedule(step):  # linear warm-up, then cosine from lr to lr/10
         if step < args.warmup_steps:
             return (step + 1) / args.warmup_steps
         progress = (step - args.warmup_steps) / max(total_steps - args.warmup_steps, 1)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(adamw, schedule)
-    deepspeed_clip_like(accelerator, args.max_grad_norm)
-    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
-        model, adamw, train_loader, val_loader, scheduler)
-    check_deepspeed_flags(accelerator, args.grad_accum, args.max_grad_norm)
-    optimizer_name = stepping_optimizer(optimizer, adamw, scheduler)
-    bytes_per_param = {None: 20, 1: 4 + 12 / world, 2: 2 + 14 / world, 3: 16 / world}[setup["deepspeed_stage"]]
-    log(f"{setup['distributed_type']} | {world} processes | mixed precision {setup['mixed_precision']} | ZeRO stage "
-        f"{setup['deepspeed_stage'] or '-'} | {optimizer_name} | preset {args.preset}: {n_params / 1e6:.2f} M "
-        f"parameters, model states about {n_params * bytes_per_param / 1e9:.2f} GB per process | text: {source}, "
-        f"{len(train_set)} blocks of {block_size} | global batch {args.batch_size} sequences | {total_steps} steps")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(  # accelerate
+        model, optimizer, train_loader, val_loader, scheduler)
+    stage = run.engine["deepspeed_stage"]
+    state_gb = n_params * {None: 20, 1: 4 + 12 / world, 2: 2 + 14 / world, 3: 16 / world}[stage] / 1e9
+    run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+              epochs=math.ceil(total_steps / steps_per_epoch), samples_per_micro=micro * block_size,
+              flops_per_unit=flops_per_token, eval_every=args.eval_every,
+              evaluate=lambda: evaluate(model, val_loader, accelerator, args.eval_batches),
+              describe=f"preset {args.preset}: {n_params / 1e6:.2f} M parameters, model states about {state_gb:.2f} GB "
+                       f"per process | text: {source}, {len(train_set)} blocks of {block_size}",
+              must_match={"source": source, "train_blocks": len(train_set), "block_size": block_size, **{
+                  k: getattr(args, k) for k in ("preset", "batch_size", "grad_accum", "lr", "warmup_steps",
+                                                "max_steps", "weight_decay", "seed")}})
 
-    checkpointer = Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={
-        "source": source, "train_blocks": len(train_set), "block_size": block_size, **{k: getattr(args, k) for k in (
-            "preset", "batch_size", "grad_accum", "lr", "warmup_steps", "max_steps", "weight_decay", "seed")}})
-    progress = {"epoch": 0, "step_in_epoch": 0, "step": 0, "first_loss": None, "val_loss": None,
-                "data_time": 0.0, "compute_time": 0.0, "train_time": 0.0}
-    progress.update(checkpointer.resume(args.resume) or {})
-    step, first_loss, val_loss = progress["step"], progress["first_loss"], progress["val_loss"]
-    metrics = MetricsLog(accelerator, args.output_dir, step)
-    start_tracking(accelerator, args)
-    profiler = StepProfiler(accelerator, args.profile, args.output_dir)
-    window = Window(accelerator, progress["data_time"], progress["compute_time"])
-    stopping, record = False, {}
-
-    train_start = time.perf_counter()
-    for epoch, done, batches in resumable_epochs(accelerator, train_loader, progress, epochs, steps_per_epoch, args.grad_accum):
-        if step >= total_steps:
-            break
-        step_in_epoch = done
-        window.mark = time.perf_counter()
+    for batches in run.epochs(train_loader):  # resumes mid-epoch; checkpoints at each epoch's end
         for blocks in batches:
-            window.data_ready()
             ids = blocks["ids"]
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model):  # accelerate
                 loss = F.cross_entropy(model(ids[:, :-1]).float().reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-                accelerator.backward(loss)
-                window.backward_done()
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                accelerator.backward(loss)  # accelerate
+                if accelerator.sync_gradients and args.max_grad_norm > 0:  # accelerate
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # accelerate
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            window.step_done(loss)
-            if not accelerator.sync_gradients:
-                continue
-            step, step_in_epoch = step + 1, step_in_epoch + 1
-            profiler.step()
-            if step % args.log_every == 0 or step in (1, total_steps):
-                record = window.record(micro * block_size, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"],
-                                       train_time_s=progress["train_time"] + time.perf_counter() - train_start)
-                record["tokens_per_s"] = record.pop("samples_per_s")
-                if args.peak_tflops:
-                    record["mfu"] = flops_per_token * record["tokens_per_s"] / (args.peak_tflops * 1e12 * world)
-                first_loss = record["loss"] if first_loss is None else first_loss
-                if step % args.eval_every == 0 or step == total_steps:
-                    record["val_loss"] = val_loss = evaluate(model, val_loader, accelerator, args.eval_batches)
-                metrics.write(record)
-                log(f"step {step}/{total_steps} | loss {record['loss']:.4f}"
-                    + (f" | val loss {val_loss:.4f}" if "val_loss" in record else "")
-                    + f" | {record['tokens_per_s']:.0f} tokens/s" + (f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
-                    + f" | per micro-batch: data {record['data_ms']:.1f} ms, forward+backward "
-                      f"{record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms, other {record['other_ms']:.1f} ms")
-            stopping = stopper.agreed(accelerator)
-            finished = step_in_epoch == steps_per_epoch
-            if args.checkpoint_dir and (stopping or finished or (args.checkpoint_every and step % args.checkpoint_every == 0)):
-                checkpointer.save(step, {
-                    "epoch": epoch + finished, "step_in_epoch": 0 if finished else step_in_epoch, "step": step,
-                    "first_loss": first_loss, "val_loss": val_loss, "data_time": window.total_data,
-                    "compute_time": window.total_compute, "train_time": progress["train_time"] + time.perf_counter() - train_start})
-            window.bookkeeping_done()
-            if stopping or step >= total_steps:
+            if run.step(loss):  # a stop signal, or the last step
                 break
-        if stopping:
-            break
-    train_time = progress["train_time"] + time.perf_counter() - train_start
-    profiler.stop()
-    if stopping:
-        code = stopped(accelerator, stopper, step, args.checkpoint_dir)
-        del model, optimizer, scheduler, train_loader, val_loader
-        finish(accelerator)
-        return code
-    if val_loss is None or step != total_steps:
-        val_loss = evaluate(model, val_loader, accelerator, args.eval_batches)
-    sample = generate(model, accelerator, args.prompt, args.sample_tokens, args.temperature, args.top_k,
-                      block_size) if args.sample_tokens else ""
-    state_dict = accelerator.get_state_dict(model)  # collective: gathers ZeRO-3 / FSDP shards
-    memory_and_shards = footprint(accelerator, model)
-    if accelerator.is_main_process:
-        save_file({k: v.contiguous().cpu() for k, v in state_dict.items() if k != "lm_head.weight"},
-                  os.path.join(args.output_dir, "model.safetensors"))  # lm_head is wte (tied)
-        log(f"sample from {args.prompt!r}:\n{sample}")
-        tokens_per_s = (step - progress["step"]) * args.batch_size * block_size / max(train_time - progress["train_time"], 1e-9)
-        metrics.close()
-        if args.report_to != "none":
-            log(f"curves: {plot_curves(args.output_dir, f'gpt {args.preset}')}")
-        write_summary(args.output_dir, {
-            "recipe": "gpt", **setup, "optimizer": optimizer_name, "preset": args.preset, "param_elements": n_params,
-            "block_size": block_size, "data_source": source, "train_blocks": len(train_set), "steps": step,
-            "resumed_from_step": progress["step"] or None, "first_loss": first_loss, "final_loss": record.get("loss"),
-            "val_loss": val_loss, "tokens_per_s": tokens_per_s,
-            "mfu": flops_per_token * tokens_per_s / (args.peak_tflops * 1e12 * world) if args.peak_tflops else None,
-            "data_time_s": window.total_data, "compute_time_s": window.total_compute,
-            "model_state_gb_per_process_estimate": n_params * bytes_per_param / 1e9, **memory_and_shards,
-            "timing": window.timing(micro * block_size, "tokens"), "sample": sample, "wall_time_s": time.perf_counter() - t_start, "args": vars(args)})
-    del model, optimizer, scheduler, train_loader, val_loader
-    finish(accelerator)
-    return 0
+    sample = ""
+    if args.sample_tokens and not run.stopped:
+        sample = generate(model, accelerator, args.prompt, args.sample_tokens, args.temperature, args.top_k, block_size)
+        run.print(f"sample from {args.prompt!r}:\n{sample}")
+    return run.finish(model, exclude=("lm_head.weight",),  # lm_head is wte (tied)
+                      preset=args.preset, param_elements=n_params, block_size=block_size, data_source=source,
+                      train_blocks=len(train_set), model_state_gb_per_process_estimate=state_gb, sample=sample)
 
 
 if __name__ == "__main__":

@@ -44,14 +44,13 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, stopped
-from common import (MetricsLog, StepProfiler, add_observability_args, check_batch, check_launch,
-                    deepspeed_clip_like, engine, finish, plot_curves, printer, refuse_optimizer_offload,
-                    resumable_epochs, start_tracking, stepping_optimizer, tracking, write_summary)
+from runkit import checkpoints, checks, reporting, stopping
+from runkit.run import resumable_epochs
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--num-points", type=int, default=1024, help="generated (x, y) samples")
     p.add_argument("--true-m", type=float, default=2.0, help="slope of the line the points scatter around")
     p.add_argument("--true-n", type=float, default=-1.0, help="intercept of that line")
@@ -60,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
     p.add_argument("--scale-lr", action="store_true",
                    help="multiply --lr by the number of processes (see the docstring for when)")
-    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=5, help="passes over the points")
     p.add_argument("--init-m", type=float, default=-1.0, help="starting slope (the lab starts far from the fit)")
     p.add_argument("--init-n", type=float, default=2.0, help="starting intercept")
     p.add_argument("--seed", type=int, default=0, help="data and shuffling")
@@ -68,9 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--plot", action="store_true", help="write trajectory.png (needs matplotlib)")
     p.add_argument("--compare-batch-sizes", action="store_true",
                    help="add the trajectories of batch size 1, this batch and the full batch to the plot")
-    p.add_argument("--output-dir", default="runs/linear_regression")
-    add_checkpoint_args(p)
-    add_observability_args(p)
+    p.add_argument("--output-dir", default="runs/linear_regression", help="summary.json, metrics.jsonl, trajectory.png")
+    checkpoints.add_checkpoint_args(p)
+    reporting.add_observability_args(p)
     return p.parse_args(argv)
 
 
@@ -127,14 +126,14 @@ def plot(path, x, y, args, filename):
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
-    stopper = GracefulStop(args.stop_signals, args.stop_check_every)
+    stopper = stopping.GracefulStop(args.stop_signals, args.stop_check_every)
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
-                              **tracking(args))
-    check_launch(accelerator)
-    log = printer(accelerator)
-    setup = engine(accelerator)
-    refuse_optimizer_offload(accelerator, "this lab is about SGD", "deepspeed_zero3.yaml (or any config without offload)")
-    check_batch(accelerator, args.batch_size)
+                              log_with="tensorboard" if args.report_to == "tensorboard" else None, project_dir=args.output_dir)
+    checks.check_launch(accelerator)
+    log = checks.main_print(accelerator)
+    setup = checks.engine(accelerator)
+    checks.refuse_optimizer_offload(accelerator, "this lab is about SGD", "deepspeed_zero3.yaml (or any config without offload)")
+    checks.check_batch(accelerator, args.batch_size)
     set_seed(args.seed)
     x, y = make_points(args)
     loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True, drop_last=True)
@@ -144,9 +143,9 @@ def main(argv=None):
         model.bias.fill_(args.init_n)
     world = accelerator.num_processes
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr * (world if args.scale_lr else 1))
-    deepspeed_clip_like(accelerator, 0.0)  # the lab is plain SGD: no clipping
+    checks.deepspeed_clip_like(accelerator, 0.0)  # the lab is plain SGD: no clipping
     model, optimizer, loader = accelerator.prepare(model, sgd, loader)
-    optimizer_name = stepping_optimizer(optimizer, sgd)
+    optimizer_name = checks.stepping_optimizer(optimizer)
     steps_per_epoch, total_steps = len(loader), len(loader) * args.epochs
     log(f"{setup['distributed_type']} | {world} processes | mixed precision {setup['mixed_precision']} | ZeRO stage "
         f"{setup['deepspeed_stage'] or '-'} | {optimizer_name} lr {optimizer.param_groups[0]['lr']:g} | global batch "
@@ -159,15 +158,15 @@ def main(argv=None):
         line = [state["weight"].item(), state["bias"].item()] if accelerator.is_main_process else [0.0, 0.0]
         return tuple(broadcast(torch.tensor(line, dtype=torch.float64, device=accelerator.device)).tolist())
 
-    checkpointer = Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={
+    checkpointer = checkpoints.Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={
         k: getattr(args, k) for k in ("num_points", "true_m", "true_n", "noise", "batch_size", "lr", "scale_lr",
                                       "epochs", "init_m", "init_n", "seed")})
     progress = {"epoch": 0, "step_in_epoch": 0, "step": 0, "path": [[args.init_m, args.init_n]], "train_time": 0.0}
     progress.update(checkpointer.resume(args.resume) or {})
     step, path = progress["step"], progress["path"]
-    metrics = MetricsLog(accelerator, args.output_dir, step)
-    start_tracking(accelerator, args)
-    profiler = StepProfiler(accelerator, args.profile, args.output_dir)
+    metrics = reporting.MetricsLog(accelerator, args.output_dir, step)
+    reporting.start_tracking(accelerator, args)
+    profiler = reporting.StepProfiler(accelerator, args.profile, args.output_dir)
     input_dtype = next(model.parameters()).dtype  # bf16 under DeepSpeed bf16
     stopping, train_start = False, time.perf_counter()
     for epoch, done, batches in resumable_epochs(accelerator, loader, progress, args.epochs, steps_per_epoch):
@@ -199,9 +198,9 @@ def main(argv=None):
     train_time = progress["train_time"] + time.perf_counter() - train_start
     profiler.stop()
     if stopping:
-        code = stopped(accelerator, stopper, step, args.checkpoint_dir)
+        code = stopping.stopped(accelerator, stopper, step, args.checkpoint_dir)
         del model, optimizer, loader
-        finish(accelerator)
+        checks.finish(accelerator)
         return code
     m, n = current_line(model)
     if accelerator.is_main_process:
@@ -217,15 +216,15 @@ def main(argv=None):
             log(f"wrote {os.path.join(args.output_dir, 'trajectory.png')}")
         metrics.close()
         if args.report_to != "none":
-            log(f"curves: {plot_curves(args.output_dir, 'linear regression')}")
-        write_summary(args.output_dir, {
+            log(f"curves: {reporting.plot_curves(args.output_dir, 'linear regression')}")
+        reporting.write_summary(args.output_dir, {
             "recipe": "linear_regression", **setup, "optimizer": optimizer_name, "steps": step,
             "resumed_from_step": progress["step"] or None, "m": m, "n": n, "full_loss": full_loss,
             "least_squares": {"m": fit_m, "n": fit_n}, "distance_to_least_squares": math.hypot(m - fit_m, n - fit_n),
             "samples_per_s": step * args.batch_size / train_time if step else 0.0,
             "wall_time_s": time.perf_counter() - t_start, "args": vars(args)})
     del model, optimizer, loader
-    finish(accelerator)
+    checks.finish(accelerator)
     return 0
 
 

@@ -32,13 +32,14 @@ import time
 import torch
 from accelerate import Accelerator
 
-from common import check_launch, engine, finish, printer, write_summary
+from runkit import checks, reporting
 
 CHUNK = 10_000_000  # intervals evaluated at once: 80 MB of float64, whatever N is
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--intervals", default="1e3,1e5,1e7",
                    help="comma-separated interval counts N (scientific notation allowed)")
     p.add_argument("--output-dir", default="runs/pi", help="summary.json")
@@ -65,8 +66,8 @@ def partial_sum(first, last, n, device):
 def main(argv=None):
     args = parse_args(argv)
     accelerator = Accelerator()
-    check_launch(accelerator)
-    log = printer(accelerator)
+    checks.check_launch(accelerator)
+    log = checks.main_print(accelerator)
     rank, world = accelerator.process_index, accelerator.num_processes
     log(f"{accelerator.distributed_type.value} | {world} processes on {accelerator.device.type}")
     results = []
@@ -88,9 +89,9 @@ def main(argv=None):
             + ", ".join(f"rank {r} {int(c)} intervals in {t:.3f} s" for r, (c, t) in enumerate(shares)))
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
-        write_summary(args.output_dir, {"recipe": "pi", **engine(accelerator), "results": results,
+        reporting.write_summary(args.output_dir, {"recipe": "pi", **checks.engine(accelerator), "results": results,
                                         "args": vars(args)})
-    finish(accelerator)
+    checks.finish(accelerator)
     return 0
 
 

@@ -42,7 +42,6 @@ import argparse
 import functools
 import os
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -50,42 +49,38 @@ import torch.nn.functional as F
 import torchvision
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
-from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from checkpointing import Checkpointer, GracefulStop, add_checkpoint_args, ignore_stop_signals, stopped
-from common import (MetricsLog, StepProfiler, Window, add_observability_args, cast_buffers_for_half_precision,
-                    check_batch, check_deepspeed_flags, check_launch, deepspeed_clip_like, engine, fail, finish,
-                    footprint, plot_curves, printer, refuse_optimizer_offload, resumable_epochs, start_tracking,
-                    stepping_optimizer, tracking, write_summary)
+from runkit import Run, add_run_args
+from runkit.stopping import ignore_stop_signals
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics, fine for CIFAR too
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-dir", default="data/cifar10",
                    help="a folder with train/ and val/ class subfolders, or where CIFAR-10 is (or goes)")
     p.add_argument("--arch", default="", help="any torchvision ResNet: resnet18 ... resnet152, wide_resnet50_2 "
                                             "(default: resnet18 up to 64 px images, resnet50 above)")
     p.add_argument("--image-size", type=int, default=0, help="training crop (0: 32 for CIFAR-10, 224 for folders)")
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--epochs", type=int, default=30, help="passes over the training set")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
     p.add_argument("--batch-size", type=int, default=256, help="GLOBAL batch, split across all processes")
     p.add_argument("--lr", type=float, default=0.1, help="peak SGD learning rate (cosine decay to 0)")
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
     p.add_argument("--max-grad-norm", type=float, default=0.0, help="gradient clipping (0: none, the usual for ResNets)")
     p.add_argument("--num-workers", type=int, default=4, help="decoding processes per training process")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weights, shuffling and augmentation")
     p.add_argument("--log-every", type=int, default=20, help="print a progress line every N steps")
     p.add_argument("--output-dir", default="runs/resnet", help="summary.json, metrics.jsonl, model.safetensors")
-    add_checkpoint_args(p)
-    add_observability_args(p)
+    add_run_args(p)
     return p.parse_args(argv)
 
 
-def load_data(args, accelerator):
+def load_data(args, accelerator, run):
     """(train dataset, val dataset, classes, source), decoded lazily in the loader's workers."""
     folders = [os.path.join(args.data_dir, split) for split in ("train", "val")]
     source = "folder" if all(map(os.path.isdir, folders)) else "cifar10"
@@ -101,8 +96,8 @@ def load_data(args, accelerator):
     if source == "folder":
         train, val = torchvision.datasets.ImageFolder(folders[0], train_tf), torchvision.datasets.ImageFolder(folders[1], val_tf)
         if train.classes != val.classes:
-            fail(accelerator, f"train/ and val/ in {args.data_dir} have different class folders "
-                              f"({len(train.classes)} vs {len(val.classes)}); they must match.")
+            run.fail(f"train/ and val/ in {args.data_dir} have different class folders "
+                     f"({len(train.classes)} vs {len(val.classes)}); they must match.")
         return train, val, train.classes, source, size
     with accelerator.main_process_first(), accelerator.local_main_process_first():  # one download per node
         try:
@@ -110,10 +105,10 @@ def load_data(args, accelerator):
                                                  download=accelerator.is_local_main_process)
             val = torchvision.datasets.CIFAR10(args.data_dir, train=False, transform=val_tf)
         except Exception as exc:  # offline compute node, proxy, read-only disk
-            fail(accelerator, f"{args.data_dir} has no train/ and val/ image folders, and CIFAR-10 could not be "
-                              f"loaded or downloaded there ({type(exc).__name__}: {exc}). Download it on a login "
-                              f"node (python recipes/resnet.py --data-dir {args.data_dir} --epochs 0) or point "
-                              f"--data-dir at an image folder.")
+            run.fail(f"{args.data_dir} has no train/ and val/ image folders, and CIFAR-10 could not be "
+                     f"loaded or downloaded there ({type(exc).__name__}: {exc}). Download it on a login "
+                     f"node (python recipes/resnet.py --data-dir {args.data_dir} --epochs 0) or point "
+                     f"--data-dir at an image folder.")
     return train, val, train.classes, source, size
 
 
@@ -133,28 +128,22 @@ def evaluate(model, loader, accelerator, prepare):
     with torch.no_grad():
         for images, labels in loader:
             logits = model(prepare(images))
-            logits, labels = accelerator.gather_for_metrics((logits, labels))  # drops repeated samples
+            logits, labels = accelerator.gather_for_metrics((logits, labels))  # accelerate: drops padding
             correct += (logits.argmax(1) == labels).sum().item()
             count += labels.numel()
     model.train()
-    return correct / max(count, 1), count
+    return {"val_accuracy": correct / max(count, 1), "val_images": count}
 
 
 def main(argv=None):
     args = parse_args(argv)
-    t_start = time.perf_counter()
-    stopper = GracefulStop(args.stop_signals, args.stop_check_every)
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
-                              **tracking(args))
-    check_launch(accelerator)
-    log = printer(accelerator)
-    setup = engine(accelerator)
-    refuse_optimizer_offload(accelerator, "ResNet trains with SGD and momentum, and fits on a GPU without offload",
-                             "deepspeed_zero2.yaml")
-    world = accelerator.num_processes
-    check_batch(accelerator, args.batch_size)
+    run = Run("resnet", args, unit="images")  # first: a stop signal may come during start-up
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(  # accelerate
+        split_batches=True, use_seedable_sampler=True), log_with=run.tracker, project_dir=args.output_dir)
+    run.setup(accelerator, refuse_offload=("ResNet trains with SGD and momentum, and fits on a GPU without offload",
+                                           "deepspeed_zero2.yaml"))
     set_seed(args.seed)
-    train_set, val_set, classes, source, size = load_data(args, accelerator)
+    train_set, val_set, classes, source, size = load_data(args, accelerator, run)
     on_gpu = accelerator.device.type == "cuda"
     # Workers decode and augment; Slurm's stop signal reaches them too, and only the training process acts on it.
     loader_kwargs = dict(num_workers=args.num_workers, pin_memory=on_gpu, persistent_workers=args.num_workers > 0,
@@ -165,116 +154,40 @@ def main(argv=None):
     try:
         model = build_model(args.arch, len(classes), size)
     except ValueError:
-        fail(accelerator, f"--arch {args.arch}: not a torchvision ResNet; try resnet18, resnet50 or wide_resnet50_2")
+        run.fail(f"--arch {args.arch}: not a torchvision ResNet; try resnet18, resnet50 or wide_resnet50_2")
     memory_format = torch.channels_last if on_gpu else torch.contiguous_format  # tensor-core friendly layout
     model = model.to(memory_format=memory_format)
-    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=args.weight_decay)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
+                                weight_decay=args.weight_decay)
     steps_per_epoch = len(train_loader)
     total_steps = steps_per_epoch * args.epochs
     total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=max(total_steps, 1))
-    deepspeed_clip_like(accelerator, args.max_grad_norm)
-    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
-        model, sgd, train_loader, val_loader, scheduler)
-    check_deepspeed_flags(accelerator, 1, args.max_grad_norm)
-    optimizer_name = stepping_optimizer(optimizer, sgd, scheduler)
-    cast_buffers_for_half_precision(accelerator, model)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total_steps, 1))
+    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(  # accelerate
+        model, optimizer, train_loader, val_loader, scheduler)
     input_dtype = next(model.parameters()).dtype  # bf16 under DeepSpeed bf16, else fp32 (autocast casts)
     to_input = lambda images: images.to(dtype=input_dtype, memory_format=memory_format)  # noqa: E731
-    log(f"{setup['distributed_type']} | {world} processes | mixed precision {setup['mixed_precision']} | ZeRO stage "
-        f"{setup['deepspeed_stage'] or '-'} | {args.arch} at {size}px | {source}: {len(train_set)} train / "
-        f"{len(val_set)} val images, {len(classes)} classes | global batch {args.batch_size} | {args.num_workers} "
-        f"workers per process | {total_steps} steps")
+    run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+              epochs=args.epochs, samples_per_micro=args.batch_size,
+              evaluate=lambda: evaluate(model, val_loader, accelerator, to_input),
+              describe=f"{args.arch} at {size}px | {source}: {len(train_set)} train / {len(val_set)} val images, "
+                       f"{len(classes)} classes | {args.num_workers} workers per process",
+              must_match={"source": source, "train_images": len(train_set), "total_steps": total_steps,
+                          "image_size": size, **{k: getattr(args, k) for k in (
+                              "arch", "batch_size", "lr", "weight_decay", "max_grad_norm", "seed")}})
 
-    checkpointer = Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={
-        "source": source, "train_images": len(train_set), "total_steps": total_steps, "image_size": size,
-        **{k: getattr(args, k) for k in ("arch", "batch_size", "lr", "weight_decay", "max_grad_norm", "seed")}})
-    progress = {"epoch": 0, "step_in_epoch": 0, "step": 0, "first_loss": None, "data_time": 0.0,
-                "compute_time": 0.0, "train_time": 0.0}
-    progress.update(checkpointer.resume(args.resume) or {})
-    step, first_loss = progress["step"], progress["first_loss"]
-    metrics = MetricsLog(accelerator, args.output_dir, step)
-    evals = MetricsLog(accelerator, args.output_dir, step, "eval.jsonl")
-    start_tracking(accelerator, args)
-    profiler = StepProfiler(accelerator, args.profile, args.output_dir)
-    window = Window(accelerator, progress["data_time"], progress["compute_time"])
-    accuracy, stopping, record = None, False, {}
-    train_start = time.perf_counter()
-    for epoch, done, batches in resumable_epochs(accelerator, train_loader, progress, args.epochs, steps_per_epoch):
-        if step >= total_steps:
-            break
-        step_in_epoch = done
-        window.mark = time.perf_counter()
+    for batches in run.epochs(train_loader):  # resumes mid-epoch; evaluates and checkpoints at each epoch's end
         for images, labels in batches:
-            window.data_ready()
             loss = F.cross_entropy(model(to_input(images)).float(), labels)
-            accelerator.backward(loss)
-            window.backward_done()
+            accelerator.backward(loss)  # accelerate
             if args.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # accelerate
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-            window.step_done(loss)
-            step, step_in_epoch = step + 1, step_in_epoch + 1
-            profiler.step()
-            if step % args.log_every == 0 or step in (1, total_steps):
-                record = window.record(args.batch_size, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"],
-                                       train_time_s=progress["train_time"] + time.perf_counter() - train_start)
-                first_loss = record["loss"] if first_loss is None else first_loss
-                metrics.write(record)
-                log(f"epoch {epoch} step {step}/{total_steps} | loss {record['loss']:.4f} | "
-                    f"{record['samples_per_s']:.0f} images/s | per step: data {record['data_ms']:.1f} ms, forward+backward "
-                    f"{record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms, other "
-                    f"{record['other_ms']:.1f} ms "
-                    f"({100 * record['data_fraction']:.0f}% waiting for data)")
-            stopping = stopper.agreed(accelerator)
-            finished = step_in_epoch == steps_per_epoch
-            if args.checkpoint_dir and (stopping or finished or (args.checkpoint_every and step % args.checkpoint_every == 0)):
-                checkpointer.save(step, {
-                    "epoch": epoch + finished, "step_in_epoch": 0 if finished else step_in_epoch, "step": step,
-                    "first_loss": first_loss, "data_time": window.total_data, "compute_time": window.total_compute,
-                    "train_time": progress["train_time"] + time.perf_counter() - train_start})
-            window.bookkeeping_done()
-            if stopping or step >= total_steps:
+            if run.step(loss):  # a stop signal, or the last step
                 break
-        if stopping:
-            break
-        accuracy, val_count = evaluate(model, val_loader, accelerator, to_input)
-        evals.write({"step": step, "epoch": epoch, "val_accuracy": accuracy,
-                     "train_time_s": progress["train_time"] + time.perf_counter() - train_start})
-        log(f"epoch {epoch} done | validation accuracy {100 * accuracy:.2f}% on {val_count} images")
-    train_time = progress["train_time"] + time.perf_counter() - train_start
-    profiler.stop()
-    if stopping:
-        code = stopped(accelerator, stopper, step, args.checkpoint_dir)
-        del model, optimizer, scheduler, train_loader, val_loader
-        finish(accelerator)
-        return code
-    if accuracy is None:
-        accuracy, val_count = evaluate(model, val_loader, accelerator, to_input)
-    state_dict = accelerator.get_state_dict(model)  # collective: gathers ZeRO-3 / FSDP shards
-    memory_and_shards = footprint(accelerator, model)
-    if accelerator.is_main_process:
-        save_file({k: v.contiguous().cpu() for k, v in state_dict.items()}, os.path.join(args.output_dir, "model.safetensors"))
-        data_time, compute_time = window.total_data, window.total_compute
-        metrics.close()
-        evals.close()
-        if args.report_to != "none":
-            log(f"curves: {plot_curves(args.output_dir, f'resnet ({args.arch})')}")
-        write_summary(args.output_dir, {
-            "recipe": "resnet", **setup, "optimizer": optimizer_name, "arch": args.arch, "image_size": size,
-            "data_source": source, "classes": len(classes), "steps": step, "resumed_from_step": progress["step"] or None,
-            "first_loss": first_loss, "final_loss": record.get("loss"), "val_accuracy": accuracy, "val_images": val_count,
-            "images_per_s": step * args.batch_size / train_time if step else 0.0,
-            "data_time_s": data_time, "compute_time_s": compute_time,
-            "data_fraction": data_time / max(data_time + compute_time, 1e-9),
-            "param_elements": sum(v.numel() for k, v in state_dict.items() if v.is_floating_point() and "running" not in k),
-            **memory_and_shards, "timing": window.timing(args.batch_size, "images"),
-            "wall_time_s": time.perf_counter() - t_start, "args": vars(args)})
-    del model, optimizer, scheduler, train_loader, val_loader
-    finish(accelerator)
-    return 0
+    return run.finish(model, arch=args.arch, image_size=size, data_source=source, classes=len(classes))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ How each config runs on CPU (the "CPU route"), found with accelerate 1.15 / torc
   * distributed_type NO or MULTI_GPU: ACCELERATE_USE_CPU=1, accelerate's own switch.
     The launcher still starts one process per requested GPU, and the workers form
     a gloo process group (MULTI_CPU).
-  * DEEPSPEED or FSDP: tests/cpu_shim on PYTHONPATH (see its docstring), because
+  * DEEPSPEED or FSDP: tests/cpu_shim on PYTHONPATH (it loads cpu_route/, the users' CPU route, plus two test-only hooks), because
     ACCELERATE_USE_CPU=1 silently turns both off. The shim is on the path of every
     launch: it also gives SyncBatchNorm (--sync-bn) a CPU path, and does nothing else.
   * multi-node configs: overridden to one machine at 127.0.0.1.
@@ -152,7 +152,7 @@ def run_command(cmd, env=None, timeout=600, cwd=REPO):
 def data_dir(tmp_path_factory):
     """Synthetic digits generated once for the whole session, in MNIST's idx format."""
     sys.path.insert(0, str(REPO / "recipes"))
-    from synthetic_mnist import write_synthetic_mnist
+    from runkit.synthetic_mnist import write_synthetic_mnist
     root = tmp_path_factory.mktemp("data")
     write_synthetic_mnist(root / f"synthetic-{TRAIN_SIZE}-{TEST_SIZE}", TRAIN_SIZE, TEST_SIZE, seed=0)
     return root

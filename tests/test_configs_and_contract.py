@@ -10,7 +10,9 @@ from accelerate.commands.config.config_args import load_config_from_file
 
 from conftest import ALL_CONFIGS, CONFIG_DIR, REPO, load_yaml
 
-RECIPES = sorted((REPO / "recipes").glob("*.py"))
+TRAINING_RECIPES = sorted((REPO / "recipes").glob("*.py"))
+RECIPES = TRAINING_RECIPES + sorted((REPO / "recipes" / "quickstart").glob("*.py"))
+RUNKIT = sorted((REPO / "recipes" / "runkit").glob("*.py"))
 
 
 def test_the_promised_configs_exist():
@@ -81,9 +83,6 @@ def test_contract_check_catches_violations():
     assert contract_violations("x = x.to(accelerator.device)") == set()
 
 
-TRAINING_RECIPES = [r for r in RECIPES if r.name not in ("common.py", "checkpointing.py", "synthetic_mnist.py")]
-
-
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.name)
 def test_unknown_recipe_flag_is_a_clear_error(recipe):
     result = subprocess.run([sys.executable, str(recipe), "--bogus-flag"], cwd=REPO,
@@ -109,3 +108,97 @@ def test_recipe_input_errors_are_one_clear_line(command, message, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def project_imports(source):
+    """Names a recipe imports from the project's own modules (runkit)."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "runkit":
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names if a.name.split(".")[0] == "runkit"]
+    return names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_is_one_readable_file(recipe):
+    source = recipe.read_text()
+    assert len(project_imports(source)) <= 6, project_imports(source)
+    assert len(source.splitlines()) <= (215 if recipe.name == "mnist.py" else 300)
+
+
+def training_loop_body(source):
+    """The statements of the innermost loop over `batches` (the micro-batch loop)."""
+    loops = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.For) and ast.unparse(n.iter) == "batches"]
+    assert len(loops) == 1, "one micro-batch loop"
+    return loops[0]
+
+
+@pytest.mark.parametrize("name", ["mnist.py", "gpt.py", "resnet.py"])
+def test_loop_reads_as_plain_pytorch(name):
+    """forward, loss, backward, clip, step, zero_grad, and at most three calls to the run object."""
+    loop = training_loop_body((REPO / "recipes" / name).read_text())
+    body = loop.body
+    calls = [ast.unparse(n.func) for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Call)]
+    assert len([c for c in calls if c.startswith("run.")]) <= 3, calls
+    for wanted in ("accelerator.backward", "optimizer.step", "scheduler.step", "optimizer.zero_grad",
+                   "accelerator.clip_grad_norm_"):
+        assert wanted in calls, (name, wanted)
+    statements = sum(1 for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.stmt))
+    assert statements <= 13, f"{name}: {statements} statements in the loop"
+    # Nothing but the loop's own work: no timers, fingerprints, loggers or profilers.
+    roots = {call_root(n.func) for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Call)}
+    batch_names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)} | {
+        n.id for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    assert roots - batch_names <= {"run", "accelerator", "optimizer", "scheduler", "F", "model", "to_input"}, roots
+
+
+def call_root(node):
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else ast.unparse(node)
+
+
+@pytest.mark.parametrize("module", RUNKIT, ids=lambda p: p.name)
+def test_runkit_module_owns_one_concern(module):
+    tree = ast.parse(module.read_text())
+    doc = ast.get_docstring(tree)
+    assert doc and len(doc) > 80, f"{module.name}: a docstring that says what it owns"
+    assert len(module.read_text().splitlines()) <= 300
+
+
+@pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.name)
+def test_help_shows_defaults_and_refuses_abbreviations(recipe):
+    result = subprocess.run([sys.executable, str(recipe), "--help"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "(default:" in result.stdout
+    flag = "--epoch" if "--epochs" in result.stdout else "--output-di"
+    abbreviated = subprocess.run([sys.executable, str(recipe), flag, "1"], cwd=REPO, capture_output=True, text=True,
+                                 timeout=120)
+    assert abbreviated.returncode == 2 and "unrecognized arguments" in abbreviated.stderr
+
+
+def test_every_flag_has_help():
+    for recipe in TRAINING_RECIPES + RUNKIT:
+        for node in ast.walk(ast.parse(recipe.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("add_argument"):
+                assert any(k.arg == "help" for k in node.keywords), f"{recipe.name}: {ast.unparse(node)[:80]}"
+
+
+def accelerate_calls(paths):
+    """Members used on the accelerator object in the recipes' source."""
+    found = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "accelerator":
+                found.add(f"accelerator.{node.attr}")
+    return found
+
+
+def test_readme_pitch_names_exactly_the_accelerate_calls():
+    line = next(l for l in (REPO / "README.md").read_text().splitlines()
+                if l.startswith("Accelerate calls in the recipes:"))
+    named = set(re.findall(r"`(accelerator\.[a-z_]+)`", line))
+    assert named == accelerate_calls(RECIPES), (named ^ accelerate_calls(RECIPES))
+    assert "`Accelerator(...)`" in line

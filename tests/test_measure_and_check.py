@@ -289,7 +289,7 @@ def test_stop_agreement_every_n_steps_and_never_without_signals():
 
     import torch
     sys.path.insert(0, str(REPO / "recipes"))
-    from checkpointing import GracefulStop
+    from runkit.stopping import GracefulStop
 
     class OneRank:  # what agreed() uses of an Accelerator; counts the collectives
         device, reductions = torch.device("cpu"), 0

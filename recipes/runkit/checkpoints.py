@@ -1,4 +1,6 @@
-"""Checkpoints that lose nothing, and stopping on a signal: shared by every recipe.
+"""Checkpoints that lose nothing: save, verify, choose and load them.
+
+Owns --checkpoint-dir, its layout and its rotation; the run object (run.py) decides when to save.
 
 Layout of --checkpoint-dir:
 
@@ -19,21 +21,18 @@ import json
 import os
 import re
 import shutil
-import signal
 import sys
 
-import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 
-from common import engine, fail, printer
-
-EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on a signal after saving a checkpoint; run the same command again
+from .checks import engine, fail
+from .stopping import add_stop_args
 MANIFEST = "checkpoint.json"
 NAME = re.compile(r"^step-(\d{8})$")
 
 
 def add_checkpoint_args(parser):
-    group = parser.add_argument_group("checkpoints and stopping (README: 'Stopping and resuming')")
+    group = parser.add_argument_group("checkpoints and stopping (docs/checkpoints.md)")
     group.add_argument("--checkpoint-dir", default=None,
                        help="save checkpoints here (must be storage every node sees); off when not given")
     group.add_argument("--checkpoint-every", type=int, default=0,
@@ -43,69 +42,7 @@ def add_checkpoint_args(parser):
     group.add_argument("--resume", default="auto",
                        help="auto: newest complete checkpoint in --checkpoint-dir, if any; none: start fresh; "
                             "or the path of one checkpoint")
-    group.add_argument("--stop-signals", default="USR1,TERM",
-                       help="signals that make every rank finish its step, save a checkpoint and exit "
-                            f"with code {EXIT_STOPPED} (comma-separated; '' to disable)")
-    group.add_argument("--stop-check-every", type=int, default=1, metavar="N",
-                       help="ranks agree on stopping every N optimizer steps (one scalar all-reduce and a device "
-                            "sync each time; raise N when steps are a few ms, see README 'Measuring')")
-
-
-def _signal_numbers(names):
-    return [getattr(signal, n if n.startswith("SIG") else "SIG" + n)
-            for n in filter(None, (n.strip().upper() for n in names.split(",")))]
-
-
-def ignore_stop_signals(names, worker_id=None):
-    """DataLoader worker_init_fn: Slurm signals every process of a step, DataLoader workers included;
-    only the training process acts on a stop signal, and a worker must not die of one."""
-    for number in _signal_numbers(names):
-        signal.signal(number, signal.SIG_IGN)
-
-
-class GracefulStop:
-    """Remember that a stop signal arrived; all ranks then agree on the step to stop after."""
-
-    def __init__(self, names, check_every=1):
-        self.received = None
-        numbers = _signal_numbers(names)
-        self.enabled = bool(numbers)  # --stop-signals '': nothing to agree on, no collective per step
-        self.check_every, self.calls = max(check_every, 1), 0
-        for number in numbers:
-            signal.signal(number, self._handler)
-
-    def _handler(self, signum, frame):
-        # Only set a flag: the step in flight finishes, and no collective is left half-done.
-        self.received = signal.Signals(signum).name
-
-    def agreed(self, accelerator):
-        """True on every rank once any rank got a signal. Collective: call it on all ranks at the same step."""
-        # Every rank has the same flags and makes the same calls, so all skip or all check.
-        self.calls += 1
-        if not self.enabled or self.calls % self.check_every:
-            return False
-        flag = torch.tensor([1.0 if self.received else 0.0], device=accelerator.device)
-        return accelerator.reduce(flag, "sum").item() > 0
-
-
-def report_stopped(accelerator):
-    """Leave the marker launch/ asks for: torchrun turns a worker's exit code 75 into 1, and srun may report
-    another task's exit status."""
-    marker = os.environ.get("RECIPE_STOP_MARKER")
-    if marker and accelerator.is_local_main_process:
-        with open(marker, "w") as f:
-            f.write(f"{EXIT_STOPPED}\n")
-
-
-def stopped(accelerator, stopper, step, checkpoint_dir):
-    """Report a stop on a signal and return the exit code: 75 ("requeue me") only when there is a checkpoint."""
-    printer(accelerator)(
-        f"stopped by {stopper.received or 'a signal to another rank'} after step {step}: "
-        + (f"checkpoint saved in {checkpoint_dir}, run the same command again to resume (exit code {EXIT_STOPPED})"
-           if checkpoint_dir else "no --checkpoint-dir was given, so this progress is lost"))
-    if checkpoint_dir:
-        report_stopped(accelerator)
-    return EXIT_STOPPED if checkpoint_dir else 1
+    add_stop_args(group)
 
 
 def _sha256(path):

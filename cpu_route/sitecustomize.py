@@ -1,0 +1,88 @@
+"""The CPU route: run the GPU configs (DeepSpeed, FSDP, --sync-bn) as processes on a machine without a GPU.
+
+    PYTHONPATH=cpu_route accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml \
+        --mixed_precision no recipes/mnist.py
+
+Python imports `sitecustomize` at start-up in every process, so this file acts in each worker
+that `accelerate launch` starts. On a machine with a GPU it does nothing. DDP configs need no
+help (ACCELERATE_USE_CPU=1 is accelerate's own switch); this route is for the rest:
+
+1. DeepSpeed and FSDP configs (accelerate 1.15, torch 2.14). ACCELERATE_USE_CPU=1 silently turns
+   both off. Without it, accelerate finds no GPU, picks no backend and declares every rank alone,
+   under DeepSpeed too; FSDP is only enabled on top of a MULTI_GPU state. So in each worker this
+   makes accelerate choose what it chooses on a GPU node (a MULTI_GPU state, which DeepSpeed or
+   FSDP then take over) with the gloo backend and the CPU as the device.
+2. torch.nn.SyncBatchNorm (--sync-bn). Its kernels exist for CUDA only, its forward refuses CPU
+   tensors and DistributedDataParallel refuses a CPU module holding one. This gives it a CPU path
+   that computes the same global batch statistics with an autograd-aware all-reduce.
+3. The first DeepSpeed run on a CPU builds DeepSpeed's CPU ops, silently, for about a minute or
+   two: this says so before it starts.
+
+It exists for learning and testing on a laptop or CI; it is not a way to train fast.
+"""
+
+import os
+
+
+def _force_gpu_like_state():
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
+
+    cpu_backend = PartialState._prepare_backend
+
+    def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        if cpu:  # ACCELERATE_USE_CPU=1 was asked for: accelerate's own MULTI_CPU route
+            return cpu_backend(self, cpu, sagemaker_dp, backend)
+        return "gloo", DistributedType.MULTI_GPU
+
+    PartialState._prepare_backend = prepare_backend
+
+
+def _sync_batchnorm_on_cpu():
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_fn
+
+    gpu_forward = torch.nn.SyncBatchNorm.forward
+
+    def forward(self, x):
+        if not (self.training and x.device.type == "cpu" and dist.is_initialized() and dist.get_world_size() > 1):
+            return gpu_forward(self, x)
+        channels = x.shape[1]
+        dims = [d for d in range(x.dim()) if d != 1]
+        count = torch.tensor([x.numel() / channels], dtype=x.dtype)
+        totals = dist_fn.all_reduce(torch.cat([x.sum(dims), (x * x).sum(dims), count]))
+        n = totals[-1]
+        mean = totals[:channels] / n
+        var = totals[channels:2 * channels] / n - mean * mean
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.mul_(1 - momentum).add_(momentum * mean)
+                self.running_var.mul_(1 - momentum).add_(momentum * var * n / (n - 1))
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+    torch.nn.SyncBatchNorm.forward = forward
+    torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle = lambda self, module: None
+
+
+def install():
+    if "LOCAL_RANK" not in os.environ:  # not a worker started by accelerate launch / torchrun
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    if "true" in (os.environ.get("ACCELERATE_USE_DEEPSPEED", ""), os.environ.get("ACCELERATE_USE_FSDP", "")):
+        _force_gpu_like_state()  # DDP configs need no help: ACCELERATE_USE_CPU=1 is accelerate's own route
+    _sync_batchnorm_on_cpu()
+
+
+install()

@@ -1,0 +1,156 @@
+"""Launch and engine checks: what accelerate really set up, and one clear refusal when it is wrong.
+
+Owns:
+  * fail / main_print: one message from the main process, the same non-zero exit on every rank;
+  * check_launch / check_batch: no rank trains alone, the global batch splits evenly;
+  * engine: the distributed type, ZeRO stage and offload that really run;
+  * the DeepSpeed quirks: clipping that follows the recipe's flag, flags that win over the config,
+    the optimizer offload silently swaps in, bf16 buffers for BatchNorm.
+"""
+
+import os
+import sys
+
+import torch
+from accelerate.utils import DistributedType
+
+CPU_HINT = ("To run several processes on a CPU-only machine, set ACCELERATE_USE_CPU=1 for DDP configs; "
+            "DeepSpeed and FSDP configs need PYTHONPATH=cpu_route (docs/configs.md, 'On a CPU').")
+
+
+def main_print(accelerator):
+    """print() on the main process only (accelerator.print prints once per node)."""
+    def log(*message, **kwargs):
+        if accelerator.is_main_process:
+            print(*message, **kwargs, flush=True)
+    return log
+
+
+def fail(accelerator, message, code=2):
+    """One clear message from the main process, and exit `code` from every process.
+
+    Every rank calls it at the same point, so no rank is left waiting in a collective. Under a
+    launcher the message is also written to torch elastic's error file, so the launcher's own
+    failure summary ends with this line instead of a traceback.
+    """
+    if accelerator.is_main_process:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    _write_error_file(message)
+    accelerator.end_training()  # tear down the process group before exiting
+    sys.exit(code)
+
+
+def _write_error_file(message):
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    import json
+    import time
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": f"error: {message}", "extraInfo": {
+                "py_callstack": f"error: {message}", "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass  # the message is on stderr anyway
+
+
+def check_launch(accelerator):
+    """Refuse to train as silent independent copies, or without the engine the config asked for."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != launched or (launched > 1 and accelerator.distributed_type == DistributedType.NO):
+        fail(accelerator, f"the launcher started {launched} processes, but accelerate set up "
+                          f"{accelerator.num_processes} ({accelerator.distributed_type}): each would train "
+                          f"alone. {CPU_HINT}")
+    for env, wanted in (("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED),
+                        ("ACCELERATE_USE_FSDP", DistributedType.FSDP)):
+        if os.environ.get(env, "false").lower() == "true" and accelerator.distributed_type != wanted:
+            fail(accelerator, f"the config asks for {wanted.value} but accelerate is running "
+                              f"{accelerator.distributed_type.value}. {CPU_HINT}")
+
+
+def check_batch(accelerator, batch_size, grad_accum=1, eval_batch_size=None):
+    world = accelerator.num_processes
+    if batch_size % (world * grad_accum) or (eval_batch_size or 0) % world:
+        good = world * grad_accum
+        fail(accelerator, f"--batch-size {batch_size} is the global batch of one optimizer step and must divide "
+                          f"by processes x --grad-accum = {good} (try {max(good, batch_size // good * good)})"
+                          + (f"; --eval-batch-size {eval_batch_size} must divide by {world}" if eval_batch_size else ""))
+
+
+def deepspeed_config(accelerator):
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin.deepspeed_config if plugin else {}
+
+
+def engine(accelerator):
+    """What accelerate really set up, for the first log line, the summary and checkpoint layouts."""
+    zero = deepspeed_config(accelerator).get("zero_optimization", {})
+    return {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
+            "mixed_precision": accelerator.mixed_precision, "deepspeed_stage": zero.get("stage"),
+            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)}
+
+
+def deepspeed_clip_like(accelerator, max_grad_norm):
+    """Call before prepare(). DeepSpeed clips gradients itself, and accelerate turns the config's 'auto' into
+    a clipping norm of 1.0, while DDP and FSDP never clip on their own: make DeepSpeed clip like the recipe's
+    flag (0: not at all), so every config runs the same optimisation."""
+    ds = deepspeed_config(accelerator)
+    if ds and ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = float(max_grad_norm)
+
+
+def refuse_optimizer_offload(accelerator, why, instead):
+    """For recipes built on SGD: under DeepSpeed optimizer offload, prepare() silently replaces whatever
+    torch optimizer the recipe made by DeepSpeed's CPU Adam. Stop before that, with one line."""
+    if engine(accelerator)["offload_optimizer"]:
+        fail(accelerator, f"{why}: DeepSpeed optimizer offload silently replaces SGD by its CPU Adam; "
+                          f"use {instead} instead.")
+
+
+def check_deepspeed_flags(accelerator, grad_accum, max_grad_norm):
+    """The flags decide accumulation and clipping; a DeepSpeed config that says otherwise is an error."""
+    ds = deepspeed_config(accelerator)
+    if ds and (accelerator.gradient_accumulation_steps != grad_accum
+               or float(ds.get("gradient_clipping", 0.0)) != max_grad_norm):
+        fail(accelerator, f"the DeepSpeed config sets gradient_accumulation_steps={ds.get('gradient_accumulation_steps')} "
+                          f"and gradient_clipping={ds.get('gradient_clipping')}, the flags say {grad_accum} and "
+                          f"{max_grad_norm}: remove those keys from the YAML so the flags decide.")
+
+
+def innermost_optimizer(prepared):
+    """The torch optimizer that really steps, inside accelerate's and DeepSpeed's wrappers."""
+    inner = prepared
+    while hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    return inner
+
+
+def stepping_optimizer(prepared, scheduler=None):
+    """Name of the optimizer that really steps; points the scheduler at it.
+
+    Under optimizer offload prepare() replaces the optimizer the recipe created by DeepSpeedCPUAdam,
+    and a scheduler would go on setting the learning rate of one that never steps.
+    """
+    inner = innermost_optimizer(prepared)
+    if scheduler is not None and getattr(scheduler, "scheduler", None) is not None \
+            and innermost_optimizer(scheduler.scheduler.optimizer) is not inner:
+        scheduler.scheduler.optimizer = prepared
+    return type(inner).__name__
+
+
+def cast_buffers_for_half_precision(accelerator, model):
+    """DeepSpeed and FSDP compute with bf16 weights but leave buffers in fp32, and BatchNorm
+    refuses running statistics of another dtype than its weights."""
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    if half and accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.data = buffer.data.to(half)
+
+
+def finish(accelerator):
+    """Destroy the process group while the interpreter is alive: left to interpreter shutdown, gloo's C++
+    side is torn down after Python and can abort a run that succeeded ("terminate called without an
+    active exception")."""
+    accelerator.free_memory()
+    accelerator.end_training()

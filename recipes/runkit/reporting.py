@@ -1,0 +1,157 @@
+"""What a run reports: progress logs, trackers, traces, curves, memory and the summary.
+
+Owns metrics.jsonl and eval.jsonl (MetricsLog), --report-to (accelerate's TensorBoard tracker and
+curves.png), --profile (a torch.profiler trace per rank), the peak memory and the parameters each
+rank holds (footprint), and summary.json with its SUMMARY line (write_summary). The fields are
+defined in docs/measuring.md.
+"""
+
+import json
+import os
+import resource
+
+import torch
+
+def add_observability_args(parser):
+    parser.add_argument("--report-to", choices=["none", "png", "tensorboard"], default="none",
+                        help="tensorboard: log the metrics with accelerate's TensorBoard tracker into "
+                             "OUTPUT_DIR/tensorboard and draw OUTPUT_DIR/curves.png; png: only curves.png")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="record a torch.profiler trace of STEPS optimizer steps (after 2 warm-up steps) into "
+                             "OUTPUT_DIR/profile, one file per rank, for Perfetto or TensorBoard")
+
+
+def start_tracking(accelerator, args):
+    """Collective-free; the tracker lives on the main process. Hyper-parameters are the scalar flags."""
+    if args.report_to == "tensorboard":
+        accelerator.init_trackers("tensorboard", config={k: v for k, v in vars(args).items()
+                                                         if isinstance(v, (int, float, str, bool))})
+
+
+class StepProfiler:
+    """--profile STEPS: torch.profiler over STEPS optimizer steps, after one skipped and one warm-up step.
+
+    Every rank writes its own trace (OUTPUT_DIR/profile/rank<R>.*.pt.trace.json): open it in
+    https://ui.perfetto.dev or chrome://tracing, or in TensorBoard with the torch-tb-profiler plugin.
+    """
+
+    def __init__(self, accelerator, steps, output_dir):
+        self.profiler, self.directory = None, os.path.join(output_dir, "profile")
+        if steps > 0:
+            from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if accelerator.device.type == "cuda" else [])
+            self.profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
+                                    on_trace_ready=tensorboard_trace_handler(
+                                        self.directory, worker_name=f"rank{accelerator.process_index}"))
+            self.profiler.start()
+
+    def step(self):
+        """Call once per optimizer step."""
+        if self.profiler:
+            self.profiler.step()
+
+    def stop(self):
+        if self.profiler:
+            self.profiler.stop()  # a trace still recording is written now
+            self.profiler = None
+
+
+class MetricsLog:
+    """A JSON-lines log on the main process (metrics.jsonl, eval.jsonl), mirrored to the tracker of
+    --report-to; after a resume it keeps exactly the steps the checkpoint holds."""
+
+    def __init__(self, accelerator, output_dir, resumed_step, name="metrics.jsonl"):
+        os.makedirs(output_dir, exist_ok=True)
+        self.accelerator, self.file = accelerator, None
+        if accelerator.is_main_process:
+            path = os.path.join(output_dir, name)
+            kept = ([line for line in open(path) if json.loads(line)["step"] <= resumed_step]
+                    if resumed_step and os.path.exists(path) else [])
+            self.file = open(path, "w")
+            self.file.writelines(kept)
+
+    def write(self, record):
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            if self.accelerator.trackers:
+                self.accelerator.log({k: v for k, v in record.items()
+                                      if isinstance(v, (int, float)) and k not in ("step", "epoch")}, step=record["step"])
+
+    def close(self):
+        if self.file:
+            self.file.close()
+            self.file = None
+
+
+def plot_curves(output_dir, title):
+    """Main process: OUTPUT_DIR/curves.png, the loss and accuracy curves drawn from the JSON logs,
+    for those who do not run TensorBoard."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display on a compute node
+    import matplotlib.pyplot as plt
+
+    def read(name):
+        path = os.path.join(output_dir, name)
+        return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    train, evals = read("metrics.jsonl"), read("eval.jsonl")
+    loss_key = next((k for k in ("loss", "batch_loss") if train and k in train[0]), None)
+    accuracy_keys = [k for k in ("test_accuracy", "val_accuracy") if any(k in e for e in evals)]
+    eval_loss_keys = [k for k in ("test_loss", "val_loss") if any(k in e for e in evals + train)]
+    fig, axes = plt.subplots(1, 2 if accuracy_keys else 1, figsize=(11 if accuracy_keys else 6, 4), squeeze=False)
+    ax = axes[0][0]
+    if loss_key:
+        ax.plot([r["step"] for r in train], [r[loss_key] for r in train], label=f"train {loss_key}")
+    for key in eval_loss_keys:
+        points = [(r["step"], r[key]) for r in evals + train if key in r]
+        ax.plot(*zip(*sorted(points)), "o-", label=key.replace("_", " "))
+    ax.set(xlabel="optimizer step", ylabel="loss", title=title)
+    ax.legend()
+    for key in accuracy_keys:
+        points = [(r["step"], 100 * r[key]) for r in evals if key in r]
+        axes[0][1].plot(*zip(*points), "o-", label=key.replace("_", " "))
+        axes[0][1].set(xlabel="optimizer step", ylabel="accuracy (%)", title=title)
+        axes[0][1].legend()
+    fig.tight_layout()
+    path = os.path.join(output_dir, "curves.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def peak_memory_mb(accelerator):
+    if accelerator.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(accelerator.device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def held_parameters(model):
+    """(elements, checksum) of the parameters this rank really holds: a shard under ZeRO-3 and FSDP."""
+    elements, checksum = 0, 0.0
+    for p in model.parameters():
+        held = getattr(p, "ds_tensor", None)  # ZeRO-3 keeps this rank's partition here
+        if held is None and hasattr(p, "to_local"):  # FSDP2 parameters are DTensors
+            held = p.to_local()
+        held = p if held is None else held
+        elements += held.numel()
+        checksum += held.detach().double().sum().item()
+    return elements, checksum
+
+
+def footprint(accelerator, model):
+    """Collective: peak memory and the parameters every rank holds, for the summary."""
+    world = accelerator.num_processes
+    per_rank = accelerator.gather(torch.tensor([peak_memory_mb(accelerator), *held_parameters(model)],
+                                               dtype=torch.float64, device=accelerator.device)).view(world, 3)
+    return {"peak_memory_mb": per_rank[:, 0].max().item(),
+            "peak_memory_mb_per_rank": per_rank[:, 0].tolist(),
+            "peak_memory_kind": "cuda_allocated" if accelerator.device.type == "cuda" else "cpu_max_rss",
+            "param_elements_per_rank": [int(n) for n in per_rank[:, 1].tolist()],
+            "param_checksum_per_rank": per_rank[:, 2].tolist()}  # equal on every rank unless sharded
+
+
+def write_summary(output_dir, summary):
+    """Main process: summary.json, and the same as one SUMMARY line that scripts can grep."""
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print("SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "args"}), flush=True)
