@@ -1,13 +1,13 @@
 """Which config is fastest for my model on my machine, and what does it cost in memory?
 
     python bench/benchmark.py                                  # MNIST: DDP baselines + every multi-process config
-    python bench/benchmark.py --repeats 3 --steps 300          # the table in README.md
+    python bench/benchmark.py --repeats 3 --steps 300          # the table in docs/measuring.md
     python bench/benchmark.py --recipe gpt --preset tiny --configs 2gpu.yaml deepspeed_zero3.yaml
     python bench/benchmark.py --recipe resnet --recipe-args "--data-dir my_images --image-size 32"
 
 Every run has the same global batch, seed, step count and precision (--mixed-precision, fp32 by
 default, like the baselines). On a machine with GPUs every run uses all of them; without, it runs
-2 processes over gloo through the CPU route of the tests (README "GPU configs on a CPU").
+2 processes over gloo through the CPU route (cpu_route/, docs/configs.md "On a CPU").
 For the MNIST recipe the same report holds two hand-written DDP baselines (bench/ddp_baseline.py):
 the course-style per-sample pipeline and the recipe's tensor pipeline.
 

@@ -73,6 +73,27 @@ def _sync_batchnorm_on_cpu():
     torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle = lambda self, module: None
 
 
+# DeepSpeed compiles these on first use (torch's JIT extensions); seconds measured on a 2-core VM, idle.
+DEEPSPEED_CPU_OPS = {"deepspeed_shm_comm": 40, "cpu_adam": 110}
+
+
+def deepspeed_ops_to_build(torch):
+    """The DeepSpeed CPU ops this worker is about to compile: not yet in torch's extension cache."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return []
+    ops = ["deepspeed_shm_comm"]  # built when DeepSpeed sets up its process group, inside Accelerator()
+    if os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none") == "cpu":
+        ops.append("cpu_adam")  # built inside prepare() for the offloaded optimizer
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:  # torch.utils.cpp_extension's default, without importing it (it warns about CUDA)
+        import sys
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        flavour = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        root = os.path.join(os.path.realpath(os.path.join(cache, "torch_extensions")),
+                            f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{flavour}")
+    return [op for op in ops if not os.path.isfile(os.path.join(root, op, op + ".so"))]
+
+
 def install():
     if "LOCAL_RANK" not in os.environ:  # not a worker started by accelerate launch / torchrun
         return
@@ -80,6 +101,12 @@ def install():
 
     if torch.cuda.is_available():
         return
+    building = deepspeed_ops_to_build(torch)
+    if building and os.environ.get("RANK", "0") == "0":
+        import sys
+        seconds = sum(DEEPSPEED_CPU_OPS[op] for op in building)
+        print(f"cpu_route: DeepSpeed compiles its CPU ops {', '.join(building)} on this first run: about {seconds} s "
+              f"on an idle 2-core machine, and silent meanwhile; later runs reuse them.", file=sys.stderr, flush=True)
     if "true" in (os.environ.get("ACCELERATE_USE_DEEPSPEED", ""), os.environ.get("ACCELERATE_USE_FSDP", "")):
         _force_gpu_like_state()  # DDP configs need no help: ACCELERATE_USE_CPU=1 is accelerate's own route
     _sync_batchnorm_on_cpu()

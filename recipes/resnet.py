@@ -25,7 +25,7 @@ data on local or faster storage, or make the augmentation cheaper. When it is ne
 the run is compute-bound and more workers change nothing.
 
 Watching it: --report-to tensorboard (or png) for curves, --profile 5 for a trace of 5 steps
-per rank (README "Watching a run"); bench/benchmark.py --recipe resnet compares the configs.
+per rank (docs/measuring.md); bench/benchmark.py --recipe resnet compares the configs.
 
 Optimizer: SGD with Nesterov momentum and a cosine schedule, the usual ResNet recipe.
 Not for deepspeed_zero3_offload.yaml: optimizer offload replaces SGD by DeepSpeed's

@@ -8,8 +8,10 @@ Owns:
     the optimizer offload silently swaps in, bf16 buffers for BatchNorm.
 """
 
+import json
 import os
 import sys
+import time
 
 import torch
 from accelerate.utils import DistributedType
@@ -26,32 +28,30 @@ def main_print(accelerator):
     return log
 
 
-def fail(accelerator, message, code=2):
-    """One clear message from the main process, and exit `code` from every process.
+def fail(accelerator, message, code=2, everyone=False):
+    """One clear message from the main process, and exit `code` from every process that calls it.
 
-    Every rank calls it at the same point, so no rank is left waiting in a collective. Under a
-    launcher the message is also written to torch elastic's error file, so the launcher's own
-    failure summary ends with this line instead of a traceback.
+    Under accelerate launch / torchrun each worker also writes the line to its torch elastic error file,
+    so the launcher's failure summary ends with it ("traceback : error: ...") instead of a pointer to
+    the docs; a real crash writes no such file and keeps its Python traceback. everyone=True: every
+    rank calls this at the same point, so they meet once more before closing their connections (a
+    rank that leaves first can break a peer still setting up gloo).
     """
+    line = f"error: {message}"
     if accelerator.is_main_process:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    _write_error_file(message)
+        print(line, file=sys.stderr, flush=True)
+    reply = os.environ.get("TORCHELASTIC_ERROR_FILE")  # one per worker, set by the launcher
+    if reply:
+        try:
+            with open(reply + ".tmp", "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+            os.replace(reply + ".tmp", reply)  # the launcher reads it whole or not at all
+        except OSError:
+            pass  # the message is on stderr anyway
+    if everyone and accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
     accelerator.end_training()  # tear down the process group before exiting
     sys.exit(code)
-
-
-def _write_error_file(message):
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
-        return
-    import json
-    import time
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": f"error: {message}", "extraInfo": {
-                "py_callstack": f"error: {message}", "timestamp": str(int(time.time()))}}}, f)
-    except OSError:
-        pass  # the message is on stderr anyway
 
 
 def check_launch(accelerator):
@@ -72,9 +72,13 @@ def check_batch(accelerator, batch_size, grad_accum=1, eval_batch_size=None):
     world = accelerator.num_processes
     if batch_size % (world * grad_accum) or (eval_batch_size or 0) % world:
         good = world * grad_accum
-        fail(accelerator, f"--batch-size {batch_size} is the global batch of one optimizer step and must divide "
-                          f"by processes x --grad-accum = {good} (try {max(good, batch_size // good * good)})"
-                          + (f"; --eval-batch-size {eval_batch_size} must divide by {world}" if eval_batch_size else ""))
+        problems = []
+        if batch_size % good:
+            problems.append(f"--batch-size {batch_size} is the global batch of one optimizer step and must divide "
+                            f"by processes x --grad-accum = {good} (try {max(good, batch_size // good * good)})")
+        if (eval_batch_size or 0) % world:
+            problems.append(f"--eval-batch-size {eval_batch_size} must divide by the {world} processes")
+        fail(accelerator, "; ".join(problems), everyone=True)
 
 
 def deepspeed_config(accelerator):
@@ -104,7 +108,7 @@ def refuse_optimizer_offload(accelerator, why, instead):
     torch optimizer the recipe made by DeepSpeed's CPU Adam. Stop before that, with one line."""
     if engine(accelerator)["offload_optimizer"]:
         fail(accelerator, f"{why}: DeepSpeed optimizer offload silently replaces SGD by its CPU Adam; "
-                          f"use {instead} instead.")
+                          f"use {instead} instead.", everyone=True)
 
 
 def check_deepspeed_flags(accelerator, grad_accum, max_grad_norm):
@@ -114,7 +118,7 @@ def check_deepspeed_flags(accelerator, grad_accum, max_grad_norm):
                or float(ds.get("gradient_clipping", 0.0)) != max_grad_norm):
         fail(accelerator, f"the DeepSpeed config sets gradient_accumulation_steps={ds.get('gradient_accumulation_steps')} "
                           f"and gradient_clipping={ds.get('gradient_clipping')}, the flags say {grad_accum} and "
-                          f"{max_grad_norm}: remove those keys from the YAML so the flags decide.")
+                          f"{max_grad_norm}: remove those keys from the YAML so the flags decide.", everyone=True)
 
 
 def innermost_optimizer(prepared):

@@ -1,0 +1,137 @@
+"""The quickstart pair: plain PyTorch MNIST (torch_only.py) and the same file with accelerate (with_accelerate.py).
+
+Quick: the diff between the two files is only accelerate lines (the repo's promise, in one diff), and
+both files train with plain `python` to the very same printed numbers. Slow: the accelerate file
+launched as 2 processes under DDP and under DeepSpeed ZeRO-2 (fp32: bf16 on a CPU is 7x slower) on
+the synthetic digits, printing once, counting every test image once, well above chance.
+"""
+
+import ast
+import difflib
+import re
+
+import pytest
+
+from conftest import CONFIG_DIR, FP32, REPO, TEST_SIZE, TRAIN_SIZE, cpu_route, run_command
+
+QUICKSTART = REPO / "recipes" / "quickstart"
+TORCH_ONLY, WITH_ACCELERATE = QUICKSTART / "torch_only.py", QUICKSTART / "with_accelerate.py"
+MAX_LINES = 8  # at most this many lines added (or changed) and this many removed
+TRAINING = ["--epochs", "1", "--batch-size", "32"]  # tiny: 1 epoch of the 2000 synthetic digits
+EPOCH_LINE = re.compile(r"^epoch (\d+): train loss (\S+) \| test loss (\S+) \| test accuracy (\S+)% \((\d+)/(\d+)\)$",
+                        re.MULTILINE)
+MIN_ACCURACY = 50.0  # chance is 10%; measured: 90% for 1 process, 72% for 2 (twice the batch, half the steps)
+
+
+def unified_diff():
+    """(the diff's text, added lines, removed lines) of torch_only.py -> with_accelerate.py."""
+    old, new = TORCH_ONLY.read_text().splitlines(), WITH_ACCELERATE.read_text().splitlines()
+    diff = list(difflib.unified_diff(old, new, "torch_only.py", "with_accelerate.py", lineterm="", n=0))
+    body = [line for line in diff[2:] if not line.startswith("@@")]  # past the ---/+++ header
+    assert all(line[:1] in "+-" for line in body), body  # n=0: no context lines
+    return "\n".join(diff), [line[1:] for line in body if line[0] == "+"], [line[1:] for line in body if line[0] == "-"]
+
+
+def plain_counterpart(line):
+    """What accelerate replaces: the device setup, moving to the device, loss.backward()."""
+    code = line.strip()
+    return ".to(device)" in code or re.match(r"device\s*=", code) is not None or code == "loss.backward()"
+
+
+def test_the_diff_is_only_accelerate_lines():
+    text, added, removed = unified_diff()
+    assert added, "the two files are identical"
+    assert len(added) <= MAX_LINES, f"{len(added)} lines added or changed (at most {MAX_LINES}):\n{text}"
+    assert len(removed) <= MAX_LINES, f"{len(removed)} lines removed (at most {MAX_LINES}):\n{text}"
+    words = ("accelerator", "Accelerator", "accelerate")
+    not_accelerate = [line for line in added if not any(word in line for word in words)]
+    assert not not_accelerate, f"added lines that do not mention accelerate: {not_accelerate}\n{text}"
+    not_counterparts = [line for line in removed if not plain_counterpart(line)]
+    assert not not_counterparts, \
+        f"removed lines that are not device setup or loss.backward(): {not_counterparts}\n{text}"
+    # The few lines are the whole distributed API, not a subset that happens to run on 1 process.
+    for needed in ("from accelerate import Accelerator", "Accelerator(", "accelerator.prepare(",
+                   "accelerator.backward(loss)", "accelerator.gather_for_metrics("):
+        assert any(needed in line for line in added), f"no {needed!r} among the added lines:\n{text}"
+    # The docstring (the same in both files) states the size of the change: keep it true.
+    assert f"{len(added)} added lines" in ast.get_docstring(ast.parse(TORCH_ONLY.read_text()))
+
+
+def test_the_pair_is_self_contained_plain_pytorch():
+    plain = {"argparse", "torch", "torchvision"}
+    allowed = {TORCH_ONLY: plain, WITH_ACCELERATE: plain | {"accelerate"}}
+    for path, modules in allowed.items():
+        source = path.read_text()
+        tree = ast.parse(source)
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert {name.split(".")[0] for name in imported} <= modules, f"{path.name} imports {sorted(imported)}"
+        for hand_written in (".cuda(", "DistributedSampler", "DistributedDataParallel", "torch.distributed"):
+            assert hand_written not in source, f"{path.name} uses {hand_written}: accelerate's job"
+        doc = ast.get_docstring(tree)
+        for command in ("python recipes/quickstart/torch_only.py", "python recipes/quickstart/with_accelerate.py"):
+            assert command in doc, f"{path.name}'s docstring lacks {command!r}"
+        for config in re.findall(r"--config_file (\S+)", doc):
+            assert (REPO / config).is_file(), f"{path.name}'s docstring launches a missing config {config}"
+        for folder in re.findall(r"PYTHONPATH=(\S+)", doc):
+            assert (REPO / folder).is_dir(), f"{path.name}'s docstring puts a missing {folder}/ on PYTHONPATH"
+    assert "accelerate" not in TORCH_ONLY.read_text().split('"""', 2)[2], "torch_only.py's code mentions accelerate"
+
+
+def epoch_lines(output):
+    """Parsed epoch lines: (epoch, train loss, test loss, accuracy %, correct, counted)."""
+    return [(int(e), float(train), float(test), float(acc), int(c), int(n))
+            for e, train, test, acc, c, n in EPOCH_LINE.findall(output)]
+
+
+@pytest.fixture(scope="module")
+def mnist_root(data_dir):
+    """The session's synthetic digits, laid out as torchvision's MNIST(root) reads them (root/MNIST/raw)."""
+    root = data_dir / f"synthetic-{TRAIN_SIZE}-{TEST_SIZE}"
+    assert (root / "MNIST" / "raw" / "train-images-idx3-ubyte").is_file()
+    return root
+
+
+@pytest.fixture(scope="module")
+def torch_only_run(mnist_root):
+    return run_command(["python", str(TORCH_ONLY), "--data-dir", str(mnist_root), *TRAINING], timeout=300)
+
+
+def test_torch_only_trains_on_a_cpu(torch_only_run):
+    returncode, output = torch_only_run
+    assert returncode == 0, output[-3000:]
+    [(epoch, train_loss, test_loss, accuracy, correct, counted)] = epoch_lines(output)
+    assert epoch == 1 and counted == TEST_SIZE and correct == round(accuracy * counted / 100)
+    assert accuracy > MIN_ACCURACY and test_loss < 2.3, output  # 2.3 = ln 10, the loss of a uniform guess
+
+
+def test_with_accelerate_under_python_prints_the_same_numbers(torch_only_run, mnist_root):
+    """One process through accelerate: the same seed gives the same weights, batches and dropout, so the
+    same printed line as plain PyTorch, to the last digit."""
+    returncode, output = run_command(["python", str(WITH_ACCELERATE), "--data-dir", str(mnist_root), *TRAINING],
+                                     timeout=300)
+    assert returncode == 0, output[-3000:]
+    assert "Distributed environment: DistributedType.NO" in output and "Num processes: 1" in output, output
+    assert epoch_lines(output) == epoch_lines(torch_only_run[1]) != [], output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, distributed_type",
+                         [("2gpu.yaml", "MULTI_CPU"), ("deepspeed_zero2.yaml", "DEEPSPEED")])
+def test_with_accelerate_launched_as_two_processes(config, distributed_type, mnist_root):
+    route_args, route_env = cpu_route(config)
+    cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), *route_args, *FP32,
+           str(WITH_ACCELERATE), "--data-dir", str(mnist_root), *TRAINING]
+    returncode, output = run_command(cmd, env=route_env, timeout=600)
+    assert returncode == 0, f"launch failed ({returncode}):\n{output[-6000:]}"
+    assert "terminate called" not in output, output[-3000:]
+    # accelerator.state and the epoch line come once, from the main process, not once per process.
+    assert output.count("Distributed environment:") == 1, output[-6000:]
+    assert f"Distributed environment: DistributedType.{distributed_type}" in output, output[-6000:]
+    assert "Num processes: 2" in output and "Mixed precision type: no" in output, output[-6000:]
+    if distributed_type == "DEEPSPEED":
+        assert "'zero_optimization': {'stage': 2" in output, output[-6000:]
+    [(epoch, train_loss, test_loss, accuracy, correct, counted)] = epoch_lines(output)
+    # 501 images over 2 processes: accelerate pads the last batch, gather_for_metrics drops the padding.
+    assert epoch == 1 and counted == TEST_SIZE, output[-3000:]
+    assert accuracy > MIN_ACCURACY and test_loss < 2.3, output[-3000:]
