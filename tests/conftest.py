@@ -275,6 +275,12 @@ def start(data_dir, tmp_path):
         run.finish(deadline=60)
 
 
+def rank_of(pid):
+    """The RANK the launcher gave this process (from its environment, not guessed from PIDs)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK="))[5:])
+
+
 def frozen(pids):
     """Stop the processes so a signal sent now is handled at a known step, not after training ended."""
     for pid in pids:

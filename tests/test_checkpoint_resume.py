@@ -116,15 +116,15 @@ def test_resume_refusals(launch, reference, tmp_path):
     _, ddp_ckpt = reference("2gpu.yaml")
     # A DeepSpeed checkpoint in a plain run: different files.
     run = launch("cpu.yaml", *TRAINING, "--resume", str(zero2_ckpt / MID_EPOCH), launch_args=FP32, check=False)
-    assert run.returncode != 0 and "written by deepspeed (ZeRO stage 2)" in run.output, run.output[-2000:]
+    assert run.returncode == 1 and "written by deepspeed (ZeRO stage 2)" in run.output, run.output[-2000:]
     # ZeRO's shards belong to the 2 processes that wrote them.
     run = launch("deepspeed_zero2.yaml", *TRAINING, "--resume", str(zero2_ckpt / MID_EPOCH),
                  launch_args=(*FP32, "--num_processes", "1"), check=False)
-    assert run.returncode != 0 and "relaunch with 2 processes" in run.output, run.output[-2000:]
+    assert run.returncode == 1 and "relaunch with 2 processes" in run.output, run.output[-2000:]
     # Another global batch would replay other samples: refused, with the setting named.
     run = launch("2gpu.yaml", *TRAINING, "--batch-size", "100", "--resume", str(ddp_ckpt / MID_EPOCH),
                  launch_args=FP32, check=False)
-    assert run.returncode != 0 and "batch_size 200 vs 100" in run.output, run.output[-2000:]
+    assert run.returncode == 1 and "batch_size 200 vs 100" in run.output, run.output[-2000:]
 
 
 def test_corrupt_and_unfinished_checkpoints(launch, reference, tmp_path):
@@ -137,7 +137,7 @@ def test_corrupt_and_unfinished_checkpoints(launch, reference, tmp_path):
     (work / "step-00000024").mkdir()
     (work / ".tmp-step-00000028").mkdir()
     explicit = launch("cpu.yaml", *TRAINING, "--resume", str(work / "step-00000020"), launch_args=FP32, check=False)
-    assert explicit.returncode != 0, explicit.output[-2000:]
+    assert explicit.returncode == 1, explicit.output[-2000:]  # the recipe exits 2; accelerate launch says 1
     assert "optimizer.bin does not match its recorded size and checksum" in explicit.output
     auto = launch("cpu.yaml", *TRAINING, "--checkpoint-dir", str(work), launch_args=FP32)
     assert f"skipping checkpoint {work / 'step-00000024'}: no checkpoint.json" in auto.output
@@ -147,10 +147,15 @@ def test_corrupt_and_unfinished_checkpoints(launch, reference, tmp_path):
     assert_identical_params(ref.params(), auto.params())
 
 
-def test_resumed_log_windows_match(launch, reference):
+def test_resumed_log_windows_match_and_old_checkpoints_are_pruned(launch, reference, tmp_path):
     """A progress line averages the loss since the previous one. Resumed inside such a window (step 12 of
     the 11-15 window), the run still logs the uninterrupted run's losses: the checkpoint keeps the window."""
     ref, ckpt = reference("cpu.yaml", "--log-every", "5")
-    resumed = launch("cpu.yaml", *TRAINING, "--log-every", "5", "--resume", str(ckpt / MID_EPOCH), launch_args=FP32)
+    pruned = tmp_path / "ckpt"
+    resumed = launch("cpu.yaml", *TRAINING, "--log-every", "5", "--resume", str(ckpt / MID_EPOCH), "--checkpoint-dir",
+                     str(pruned), "--checkpoint-every", "2", "--keep-last", "2", launch_args=FP32)
     assert [r["step"] for r in resumed.metrics] == [15, 20]
     assert_same_steps(ref.metrics, resumed.metrics, after_step=12)
+    # The same run saved steps 14, 16, 18 and 20 and kept the newest two (--keep-last 2).
+    assert sorted(p.name for p in pruned.iterdir()) == ["step-00000018", "step-00000020"]
+    assert "checkpoint saved: " + str(pruned / "step-00000014") in resumed.output

@@ -1,5 +1,6 @@
 """Real multi-process launches of recipes/mnist.py under every config, on CPU (see conftest's CPU route)."""
 
+import math
 import re
 
 import pytest
@@ -18,12 +19,13 @@ def test_every_config_has_an_expectation():
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS)
-def test_config_really_trains(launch, config):
-    run = launch(config, "--epochs", "2", "--log-every", "5")
+def test_config_really_trains(launch, reference, config):
+    """Each config trains (the fp32 reference run: 2 epochs of 10 steps, shared with the resume tests), and,
+    as shipped, runs in the precision its YAML names (a 2-step smoke run: bf16 on a CPU is slow)."""
+    run, _ = reference(config)
     s = run.summary
     dist_type, world, stage, sharded = EXPECTED[config]
     assert (s["distributed_type"], s["world_size"], s["deepspeed_stage"]) == (dist_type, world, stage)
-    assert s["mixed_precision"] == load_yaml(config).get("mixed_precision", "no")
     assert s["data_source"] == "synthetic" and "SYNTHETIC" in run.output
     # --data auto says why it fell back (here: the download failed, offline).
     assert re.search(r"DATA: SYNTHETIC digits .*not real MNIST: \w+", run.output), run.output[:2000]
@@ -42,7 +44,7 @@ def test_config_really_trains(launch, config):
     # Each figure from its definition (docs/measuring.md, "Summary fields").
     assert s["data_fraction"] == pytest.approx(s["data_time_s"] / (s["data_time_s"] + s["compute_time_s"]))
     assert s["peak_memory_mb"] == max(s["peak_memory_mb_per_rank"]) and min(s["peak_memory_mb_per_rank"]) > 100
-    samples = s["steps"] * 128  # the default global batch
+    samples = s["steps"] * 200  # the reference's global batch
     assert samples / s["wall_time_s"] <= s["samples_per_s"] <= samples / run.metrics[-1]["train_time_s"], s
     # The logged learning rate is the one the stepping optimizer holds: it must follow the cosine
     # decay under every config (with offload it once stayed at its peak).
@@ -54,6 +56,11 @@ def test_config_really_trains(launch, config):
     assert len(results) == 1 and all(str(run.out_dir / f) in results[0] for f in (
         "summary.json", "metrics.jsonl", "eval.jsonl", "model.safetensors"))
 
+    shipped = launch(config, "--max-steps", "2", "--log-every", "1").summary  # the YAML's own precision
+    assert shipped["mixed_precision"] == load_yaml(config).get("mixed_precision", "no")
+    assert (shipped["distributed_type"], shipped["steps"]) == (dist_type, 2)
+    assert all(math.isfinite(x) for x in (shipped["first_loss"], shipped["final_loss"], shipped["test_loss"]))
+
 
 def assert_same_params(a, b, atol=5e-5, rtol=1e-4):
     assert a.keys() == b.keys()
@@ -61,15 +68,16 @@ def assert_same_params(a, b, atol=5e-5, rtol=1e-4):
         torch.testing.assert_close(a[name].float(), b[name].float(), atol=atol, rtol=rtol, msg=name)
 
 
-def test_sync_bn_one_process_equals_two(launch):
-    """Global batch B on 1 process == B/2 on each of 2 processes, when BatchNorm sees the global batch."""
-    one = launch("1gpu.yaml", "--sync-bn", *SHORT, launch_args=FP32)
-    two = launch("2gpu.yaml", "--sync-bn", *SHORT, launch_args=FP32)
+def test_sync_bn_one_process_equals_two(reference):
+    """Global batch B on 1 process == B/2 on each of 2 processes, when BatchNorm sees the global batch.
+    (The 2-process --sync-bn run is also the world-size-change test's reference.)"""
+    one, _ = reference("cpu.yaml", "--sync-bn")
+    two, _ = reference("2gpu.yaml", "--sync-bn")
     assert (one.summary["world_size"], two.summary["world_size"]) == (1, 2)
-    assert one.summary["steps"] == two.summary["steps"] == 8
+    assert one.summary["steps"] == two.summary["steps"] == 20
     assert_same_params(one.params(), two.params())
     # Without --sync-bn each process normalises its own half batch: the runs differ.
-    local_bn = launch("2gpu.yaml", *SHORT, launch_args=FP32)
+    local_bn, _ = reference("2gpu.yaml")
     with pytest.raises(AssertionError):
         assert_same_params(one.params(), local_bn.params())
 
@@ -139,6 +147,14 @@ def test_gpu_config_on_cpu_refuses_independent_copies(launch):
     run = launch("2gpu.yaml", *SHORT, launch_args=FP32, env={"ACCELERATE_USE_CPU": "0"}, check=False)
     assert run.returncode != 0
     assert "the launcher started 2 processes" in run.output and "ACCELERATE_USE_CPU=1" in run.output
+
+
+def test_deepspeed_config_without_its_cpu_route_is_refused(launch):
+    """ACCELERATE_USE_CPU=1 silently turns DeepSpeed off: the recipe says so instead of training DDP."""
+    run = launch("deepspeed_zero2.yaml", *SHORT, launch_args=FP32, env={"ACCELERATE_USE_CPU": "1", "PYTHONPATH": ""},
+                 check=False)
+    assert run.returncode == 1
+    assert "error: the config asks for DEEPSPEED but accelerate is running MULTI_CPU" in run.output, run.output[-3000:]
 
 
 def test_deepspeed_config_may_not_contradict_the_flags(launch, tmp_path):

@@ -152,7 +152,7 @@ class Run:
             if s["step_in_epoch"] == self.steps_per_epoch:
                 s["epoch"], s["step_in_epoch"] = epoch + 1, 0
             self._save()
-            self.stopping = self.stopper.agreed(self.accelerator)
+            self.stopping = self.stopper.agreed(self.accelerator, force=True)
 
     def _timed(self, batches):
         self.timer.restart()

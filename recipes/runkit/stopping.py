@@ -59,11 +59,14 @@ class GracefulStop:
 
     def agreed(self, accelerator, force=False):
         """True on every rank once any rank got a signal. Collective: call it on all ranks at the same step.
-        `force` checks now whatever the cadence (an epoch's end, where a checkpoint is saved anyway)."""
+        force: check now, outside the per-step cadence (an epoch's end, where a checkpoint is saved anyway)."""
         # Every rank has the same flags and makes the same calls, so all skip or all check.
-        self.calls += 1
-        if not self.enabled or (self.calls % self.check_every and not force):
+        if not self.enabled:
             return False
+        if not force:
+            self.calls += 1
+            if self.calls % self.check_every:
+                return False
         flag = torch.tensor([1.0 if self.received else 0.0], device=accelerator.device)
         return accelerator.reduce(flag, "sum").item() > 0
 
