@@ -168,7 +168,7 @@ def main(argv=None):
     reporting.start_tracking(accelerator, args)
     profiler = reporting.StepProfiler(accelerator, args.profile, args.output_dir)
     input_dtype = next(model.parameters()).dtype  # bf16 under DeepSpeed bf16
-    stopping, train_start = False, time.perf_counter()
+    stop_now, train_start = False, time.perf_counter()
     for epoch, done, batches in resumable_epochs(accelerator, loader, progress, args.epochs, steps_per_epoch):
         step_in_epoch = done
         for xb, yb in batches:
@@ -185,19 +185,19 @@ def main(argv=None):
                            "lr": optimizer.param_groups[0]["lr"]})
             if step % args.log_every == 0 or step in (1, total_steps):
                 log(f"epoch {epoch} step {step}/{total_steps} | m {m:+.6f} n {n:+.6f} | batch loss {batch_loss:.5f}")
-            stopping = stopper.agreed(accelerator)
+            stop_now = stopper.agreed(accelerator)
             finished = step_in_epoch == steps_per_epoch
-            if args.checkpoint_dir and (stopping or finished or (args.checkpoint_every and step % args.checkpoint_every == 0)):
+            if args.checkpoint_dir and (stop_now or finished or (args.checkpoint_every and step % args.checkpoint_every == 0)):
                 checkpointer.save(step, {"epoch": epoch + finished, "step_in_epoch": 0 if finished else step_in_epoch,
                                          "step": step, "path": path,
                                          "train_time": progress["train_time"] + time.perf_counter() - train_start})
-            if stopping:
+            if stop_now:
                 break
-        if stopping:
+        if stop_now:
             break
     train_time = progress["train_time"] + time.perf_counter() - train_start
     profiler.stop()
-    if stopping:
+    if stop_now:
         code = stopping.stopped(accelerator, stopper, step, args.checkpoint_dir)
         del model, optimizer, loader
         checks.finish(accelerator)

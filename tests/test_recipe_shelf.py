@@ -109,6 +109,45 @@ def test_linear_regression_under_every_config(shelf, config):
         assert abs(a["m"] - b["m"]) <= 1e-6 and abs(a["n"] - b["n"]) <= 1e-6, (config, a, b)
 
 
+# The lab's SGD written out by hand: the same points and the same (seeded) batch order, which the test
+# takes from accelerate's own prepared loader in a fresh process; float64 arithmetic.
+HAND_SGD = """
+import sys, types
+sys.path.insert(0, "recipes")
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from torch.utils.data import DataLoader, TensorDataset
+from linear_regression import make_points
+args = types.SimpleNamespace(seed=0, num_points=256, true_m=2.0, true_n=-1.0, noise=0.5)
+accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True,
+                                                                             use_seedable_sampler=True))
+set_seed(0)
+x, y = make_points(args)
+loader = accelerator.prepare(DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True, drop_last=True))
+m, n, path = -1.0, 2.0, []
+for epoch in range(2):
+    loader.set_epoch(epoch)
+    for xb, yb in loader:
+        xb, yb = xb.double().flatten(), yb.double().flatten()
+        residual = m * xb + n - yb
+        m, n = m - 0.1 * (2 * residual * xb).mean().item(), n - 0.1 * (2 * residual).mean().item()
+        path.append((m, n))
+print(path)
+"""
+
+
+def test_linear_regression_follows_hand_written_sgd(shelf):
+    """The 1-process run's (m, n) at every step is plain SGD's, computed independently (to 1e-6: fp32)."""
+    result = subprocess.run([sys.executable, "-c", HAND_SGD], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = eval(result.stdout.strip().splitlines()[-1])  # a list of (m, n) from our own script
+    run = shelf("linear_regression", "cpu.yaml")
+    assert len(run.metrics) == len(expected) == 16
+    for record, (m, n) in zip(run.metrics, expected):
+        assert abs(record["m"] - m) <= 1e-6 and abs(record["n"] - n) <= 1e-6, (record, m, n)
+
+
 def test_linear_regression_scale_lr(shelf):
     plain = shelf("linear_regression", "2gpu.yaml")
     scaled = shelf("linear_regression", "2gpu.yaml", "--scale-lr", "--checkpoint-dir", "")
