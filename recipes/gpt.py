@@ -238,7 +238,8 @@ def main(argv=None):
     decay = [p for p in model.parameters() if p.dim() >= 2]  # no weight decay on biases and LayerNorm
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                                  fused=True)  # one kernel for all parameters, CUDA and CPU alike
     total_steps, steps_per_epoch = args.max_steps, len(train_loader) // args.grad_accum
     if steps_per_epoch == 0:
         run.fail(f"{len(train_set)} training blocks do not fill one global batch of {args.batch_size}")

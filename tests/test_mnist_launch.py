@@ -1,5 +1,6 @@
 """Real multi-process launches of recipes/mnist.py under every config, on CPU (see conftest's CPU route)."""
 
+import json
 import math
 import re
 
@@ -147,6 +148,34 @@ def test_gpu_config_on_cpu_refuses_independent_copies(launch):
     run = launch("2gpu.yaml", *SHORT, launch_args=FP32, env={"ACCELERATE_USE_CPU": "0"}, check=False)
     assert run.returncode != 0
     assert "the launcher started 2 processes" in run.output and "ACCELERATE_USE_CPU=1" in run.output
+
+
+def test_no_host_sync_between_progress_lines(launch, tmp_path):
+    """60 steps of 2-process DDP, a progress line every 20: .item(), .tolist(), .cpu(), cuda.synchronize and
+    collectives (counted by the CPU shim per optimizer step) happen at start-up, at the progress lines and
+    at the end only. (With --stop-check-every 1 the same count finds calls at every one of the 60 steps.)"""
+    counts_dir = tmp_path / "syncs"
+    counts_dir.mkdir()
+    launch("2gpu.yaml", "--epochs", "1", "--max-steps", "60", "--batch-size", "32", "--log-every", "20",
+           launch_args=FP32, env={"TEST_COUNT_SYNCS": str(counts_dir)})
+    for rank in (0, 1):
+        counts = json.loads((counts_dir / f"rank{rank}.json").read_text())
+        busy = {int(step) for step, calls in counts.items() if calls}
+        assert {1, 20, 40} <= busy, counts  # the progress lines reduce the loss: the counter sees them
+        assert busy <= {0, 1, 20, 40, 60}, {k: v for k, v in counts.items() if int(k) not in (0, 1, 20, 40, 60)}
+
+
+def test_more_processes_than_gpus_is_refused_before_anything_is_built(launch):
+    """2gpu.yaml on a node with one GPU (simulated: torch.cuda reports 1) fails at once with the fixes, instead
+    of CUDA's 'invalid device ordinal' after the model and data are built."""
+    run = launch("2gpu.yaml", *SHORT, launch_args=FP32, env={"ACCELERATE_USE_CPU": "0", "TEST_FAKE_GPUS": "1"},
+                 check=False)
+    assert run.returncode == 1
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: this node has 1 GPU(s) and the launch starts 2 processes on it (num_processes 2): pass "
+                      "--num_processes 1 to accelerate launch, or use accelerate_configs/1gpu.yaml, or set "
+                      "ACCELERATE_USE_CPU=1 for a run on the CPU."], run.output[-3000:]
+    assert "DATA:" not in run.output  # refused before the data (and the model)
 
 
 def test_deepspeed_config_without_its_cpu_route_is_refused(launch):

@@ -37,8 +37,16 @@ def fail(accelerator, message, code=2, everyone=False):
     rank calls this at the same point, so they meet once more before closing their connections (a
     rank that leaves first can break a peer still setting up gloo).
     """
+    _report(message, accelerator.is_main_process)
+    if everyone and accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+    accelerator.end_training()  # tear down the process group before exiting
+    sys.exit(code)
+
+
+def _report(message, main):
     line = f"error: {message}"
-    if accelerator.is_main_process:
+    if main:
         print(line, file=sys.stderr, flush=True)
     reply = os.environ.get("TORCHELASTIC_ERROR_FILE")  # one per worker, set by the launcher
     if reply:
@@ -48,10 +56,21 @@ def fail(accelerator, message, code=2, everyone=False):
             os.replace(reply + ".tmp", reply)  # the launcher reads it whole or not at all
         except OSError:
             pass  # the message is on stderr anyway
-    if everyone and accelerator.num_processes > 1:
-        accelerator.wait_for_everyone()
-    accelerator.end_training()  # tear down the process group before exiting
-    sys.exit(code)
+
+
+def check_gpus_before_start():
+    """Before Accelerator(): more processes on this node than it has GPUs would die in CUDA set-up with
+    'invalid device ordinal' a minute later. Every rank refuses at once, the first one saying why."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not torch.cuda.is_available():
+        return  # a CPU run, or the CPU route: no GPU to count
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        world = os.environ.get("WORLD_SIZE", str(local))
+        _report(f"this node has {gpus} GPU(s) and the launch starts {local} processes on it (num_processes "
+                f"{world}): pass --num_processes {gpus} to accelerate launch, or use accelerate_configs/1gpu.yaml, "
+                f"or set ACCELERATE_USE_CPU=1 for a run on the CPU.", os.environ.get("LOCAL_RANK", "0") == "0")
+        sys.exit(2)
 
 
 def check_launch(accelerator):
@@ -127,6 +146,12 @@ def innermost_optimizer(prepared):
     while hasattr(inner, "optimizer"):
         inner = inner.optimizer
     return inner
+
+
+def implementation(optimizer):
+    """How a torch optimizer runs its update: one fused kernel, foreach kernels, or a Python loop."""
+    defaults = getattr(optimizer, "defaults", {})
+    return "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "default"
 
 
 def stepping_optimizer(prepared, scheduler=None):

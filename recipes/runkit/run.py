@@ -31,9 +31,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .checkpoints import Checkpointer, add_checkpoint_args
-from .checks import (cast_buffers_for_half_precision, check_batch, check_deepspeed_flags, check_launch,
-                     deepspeed_clip_like, engine, fail, finish, main_print, refuse_optimizer_offload,
-                     stepping_optimizer)
+from .checks import (cast_buffers_for_half_precision, check_batch, check_gpus_before_start, check_deepspeed_flags, check_launch,
+                     deepspeed_clip_like, engine, fail, finish, implementation, innermost_optimizer, main_print,
+                     refuse_optimizer_offload, stepping_optimizer)
 from .reporting import (MetricsLog, StepProfiler, add_observability_args, footprint, plot_curves, start_tracking,
                         write_summary)
 from .stopping import GracefulStop, stopped
@@ -65,6 +65,7 @@ class Run:
         """Call first in main(): from here on a stop signal is remembered instead of killing the process."""
         self.name, self.args, self.unit = name, args, unit
         self.t_start = time.perf_counter()
+        check_gpus_before_start()
         self.stopper = GracefulStop(args.stop_signals, args.stop_check_every)
         self.stopping = False
         self.tracker = "tensorboard" if args.report_to == "tensorboard" else None  # Accelerator(log_with=...)
@@ -98,13 +99,14 @@ class Run:
         acc, args = self.accelerator, self.args
         check_deepspeed_flags(acc, self.grad_accum, getattr(args, "max_grad_norm", 0.0))
         self.optimizer, self.optimizer_name = optimizer, stepping_optimizer(optimizer, scheduler)
+        self.optimizer_impl = implementation(innermost_optimizer(optimizer))
         cast_buffers_for_half_precision(acc, model)
         self.steps_per_epoch, self.total_steps, self.epoch_count = steps_per_epoch, total_steps, epochs
         self.samples_per_micro, self.flops_per_unit = samples_per_micro, flops_per_unit
         self.evaluate_fn, self.eval_every = evaluate, eval_every
         e, world = self.engine, acc.num_processes
         self.print(f"{e['distributed_type']} | {world} processes | mixed precision {e['mixed_precision']} | ZeRO stage "
-                   f"{e['deepspeed_stage'] or '-'} | optimizer {self.optimizer_name} | global batch {args.batch_size} "
+                   f"{e['deepspeed_stage'] or '-'} | optimizer {self.optimizer_name} ({self.optimizer_impl}) | global batch {args.batch_size} "
                    f"({self.grad_accum} x {args.batch_size // self.grad_accum // world} per process) | "
                    f"{describe + ' | ' if describe else ''}{total_steps} steps")
 
@@ -181,7 +183,10 @@ class Run:
                 self.metrics.write({**record, **result})
         elif record is not None:
             self.metrics.write(record)
-        self.stopping = self.stopper.agreed(self.accelerator)
+        # The ranks agree on stopping where they synchronise anyway (a progress line), or every
+        # --stop-check-every steps: no host sync in the other steps.
+        if record is not None or (args.stop_check_every and step % args.stop_check_every == 0):
+            self.stopping = self.stopper.agreed(self.accelerator, force=True)
         # An epoch's last step is saved at the epoch's end, after its evaluation (unless stopping now).
         epoch_ends = s["step_in_epoch"] == self.steps_per_epoch or step >= self.total_steps
         if self.stopping or (args.checkpoint_every and step % args.checkpoint_every == 0 and not epoch_ends):
@@ -264,7 +269,8 @@ class Run:
                 self.print(f"curves: {plot_curves(out, self.name)}")
             evaluation = {k: v for k, v in (s["last_eval"] or {}).items() if k != "step"}
             write_summary(out, {
-                "recipe": self.name, **self.engine, "optimizer": self.optimizer_name, "steps": s["step"],
+                "recipe": self.name, **self.engine, "optimizer": self.optimizer_name,
+                "optimizer_implementation": self.optimizer_impl, "steps": s["step"],
                 "epochs": s["epochs_run"], "resumed_from_step": self.resumed_from, "first_loss": s["first_loss"],
                 "final_loss": s["final_loss"], **evaluation, f"{self.unit}_per_s": rate,
                 **({"mfu": self._mfu(rate) if args.peak_tflops else None} if self.flops_per_unit else {}),

@@ -17,9 +17,11 @@ def add_stop_args(group):
     group.add_argument("--stop-signals", default="USR1,TERM",
                        help="signals that make every rank finish its step, save a checkpoint and exit "
                             f"with code {EXIT_STOPPED} (comma-separated; '' to disable)")
-    group.add_argument("--stop-check-every", type=int, default=1, metavar="N",
-                       help="ranks agree on stopping every N optimizer steps (one scalar all-reduce and a device "
-                            "sync each time; raise N when steps are a few ms, see docs/measuring.md)")
+    group.add_argument("--stop-check-every", type=int, default=0, metavar="N",
+                       help="ranks agree on stopping at each progress line (--log-every), where they synchronise "
+                            "anyway, and at each epoch's end; N > 0 adds a check every N optimizer steps (one scalar "
+                            "all-reduce and a host sync each): for steps so slow that a progress window outlasts "
+                            "the grace time before the job is killed")
 
 
 def signal_numbers(names):

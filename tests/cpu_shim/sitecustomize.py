@@ -1,12 +1,16 @@
 """Test-only hooks on top of the CPU route (cpu_route/sitecustomize.py, which this file loads).
 
 The tests put this folder on PYTHONPATH of every launch (Python imports only the first
-`sitecustomize` it finds, so this one loads the CPU route itself). Two hooks, each off unless
-its variable is set, for the one test that needs it:
+`sitecustomize` it finds, so this one loads the CPU route itself). Hooks, each off unless
+its variable is set, for the test that needs it:
 
 * TEST_SLOW_SAVE_SECONDS: a slow file system. Accelerator.save_state into a directory whose
   name contains TEST_SLOW_SAVE_MATCH prints "TEST-SHIM: slow save" after writing its files and
   then sleeps, so a test can kill the run while that checkpoint is half-made.
+* TEST_FAKE_GPUS: a worker sees this many GPUs (torch.cuda reports them; none is usable), to test
+  the refusal of more processes than GPUs on a machine without any.
+* TEST_COUNT_SYNCS=DIR: each worker counts, per optimizer step, the calls that make the host wait
+  (.item(), .tolist(), .cpu(), torch.cuda.synchronize, collectives) and writes DIR/rank<R>.json.
 * TEST_STEP_SECONDS (the Slurm time-limit test): every optimizer step of a worker takes at least
   that long, so a run's length is set by its step count, not by how fast the machine is.
 """
@@ -49,7 +53,61 @@ def _slow_steps(seconds):
     AcceleratedOptimizer.step = slow_step
 
 
+def _fake_gpus(count):
+    import torch
+
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: count
+
+
+def _count_syncs(directory):
+    """Count the calls that make the host wait for the device or for other ranks, per optimizer step
+    (index k: from the end of step k's optimizer step to the end of step k+1's), written at exit."""
+    import atexit
+    import collections
+    import json
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    state = {"step": 0}
+    counts = collections.defaultdict(list)
+
+    def wrap(owner, name):
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if "/torch/" not in caller:  # torch's own bookkeeping (CPU-side step counters) is not ours
+                counts[state["step"]].append(f"{name} from {caller.rsplit('/', 2)[-2:]}")
+            return original(*args, **kwargs)
+        setattr(owner, name, counted)
+
+    for name in ("item", "tolist", "cpu"):
+        wrap(torch.Tensor, name)
+    wrap(torch.cuda, "synchronize")
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+                 "barrier", "all_gather_object", "broadcast_object_list", "gather", "reduce", "scatter"):
+        wrap(dist, name)
+
+    def stepped(optimizer, args, kwargs):
+        state["step"] += 1
+    register_optimizer_step_post_hook(stepped)
+
+    def write():
+        path = os.path.join(directory, f"rank{os.environ.get('RANK', '0')}.json")
+        with open(path, "w") as f:
+            json.dump({str(k): v for k, v in counts.items()}, f)
+    atexit.register(write)
+
+
 def _install():
+    if os.environ.get("TEST_COUNT_SYNCS") and "LOCAL_RANK" in os.environ:
+        _count_syncs(os.environ["TEST_COUNT_SYNCS"])
+    if os.environ.get("TEST_FAKE_GPUS") and "LOCAL_RANK" in os.environ:
+        _fake_gpus(int(os.environ["TEST_FAKE_GPUS"]))
     if os.environ.get("TEST_STEP_SECONDS") and "LOCAL_RANK" in os.environ:
         _slow_steps(float(os.environ["TEST_STEP_SECONDS"]))
     if os.environ.get("TEST_SLOW_SAVE_SECONDS"):
