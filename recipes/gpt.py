@@ -231,7 +231,7 @@ def main(argv=None):
     train_set, val_set, source = load_blocks(args, accelerator, run, block_size)
     micro = args.batch_size // args.grad_accum
     train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True)
-    val_loader = DataLoader(val_set, batch_size=micro)
+    val_loader = DataLoader(val_set, batch_size=micro)  # accelerate fills a short last batch: shapes stay static
     model = GPT(layers, heads, d, block_size, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     flops_per_token = 6 * (n_params - block_size * d) + 12 * layers * d * block_size
@@ -279,7 +279,9 @@ def main(argv=None):
                 break
     sample = ""
     if args.sample_tokens and not run.stopped:
-        sample = generate(model, accelerator, args.prompt, args.sample_tokens, args.temperature, args.top_k, block_size)
+        # Uncompiled: every generated length is a new shape, which a compiled model would recompile for.
+        plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
+        sample = generate(plain, accelerator, args.prompt, args.sample_tokens, args.temperature, args.top_k, block_size)
         run.print(f"sample from {args.prompt!r}:\n{sample}")
     return run.finish(model, exclude=("lm_head.weight",),  # lm_head is wte (tied)
                       preset=args.preset, param_elements=n_params, block_size=block_size, data_source=source,

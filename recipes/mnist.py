@@ -6,30 +6,19 @@
     ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/2gpu.yaml \\
         recipes/mnist.py                                                          # 2 processes on a CPU
 
-Swapping the config file is the whole change; Slurm users see launch/ and docs/slurm.md.
-Checkpoints and stopping (docs/checkpoints.md): add --checkpoint-dir ckpt; a stop signal
-(SIGUSR1/SIGTERM) saves and exits 75, and the same command again resumes exactly where it
-stopped, mid-epoch included. Watching a run (docs/measuring.md): --report-to tensorboard
-(or png) draws curves, --profile 5 traces 5 steps.
+Swapping the config file is the whole change (Slurm: docs/slurm.md). --checkpoint-dir ckpt:
+a stop signal (SIGUSR1/SIGTERM) saves and exits 75, and the same command resumes exactly
+where it stopped (docs/checkpoints.md). --report-to tensorboard draws curves, --profile 5
+traces 5 steps (docs/measuring.md). The lines marked `# accelerate` are the only
+distributed ones; `run` (recipes/runkit) keeps checkpoints, stopping and timing out of the loop.
 
-The loop below is pytorch/examples' loop; the lines marked `# accelerate` are the only
-distributed ones, and `run` (recipes/runkit) keeps the checkpoints, stopping, timing and
-summary out of it.
-
-The model is the ConvNet of the HPC courses (two 5x5 conv + BatchNorm + max-pool
-blocks, one linear layer). `--batch-size` is the GLOBAL batch: accelerate splits
-each batch across the processes, so 1 process or 8 see the same samples per step
-and need the same learning rate; `--scale-lr` multiplies it by the world size
-only for those who want the per-GPU-batch habit of other recipes.
-
-Data: `--data auto` (default) reads real MNIST from --data-dir or downloads it,
-and falls back to a synthetic digit set, written in MNIST's own idx format and
-read through the same torchvision loader, saying so loudly. `--data mnist`
-never falls back; `--data synthetic` never downloads.
-
-Gradient accumulation (`--grad-accum K`) gives exactly the gradients of one
-K-times larger batch only without BatchNorm (`--no-batchnorm`): BatchNorm
-normalises each micro-batch with its own statistics.
+The model is the HPC courses' ConvNet (two 5x5 conv + BatchNorm + max-pool blocks, one
+linear layer). `--batch-size` is the GLOBAL batch, split across the processes: 1 process
+or 8 see the same samples per step and need the same learning rate. `--data auto` reads
+or downloads MNIST, else falls back to synthetic digits in MNIST's own format, read by the
+same torchvision loader, and says why; `--data mnist` never falls back. `--grad-accum K`
+equals one K-times larger batch exactly only with `--no-batchnorm` (BatchNorm normalises
+each micro-batch with its own statistics).
 
 Results (defaults: 3 epochs, global batch 128, AdamW 1e-3 with cosine decay):
   * synthetic digits (20k train / 5k test), fp32, measured 2026-11-22 on a

@@ -27,7 +27,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "accelerate_configs"
 CPU_SHIM = REPO / "tests" / "cpu_shim"
-ALL_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
+CONFIG_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))  # every shipped config
+# The compiled variants are DDP / one GPU plus torch.compile: tests/test_compile.py launches them; the engine
+# matrix (every recipe under every config) runs the others.
+COMPILE_CONFIGS = [c for c in CONFIG_FILES if c.endswith("_compile.yaml")]
+ALL_CONFIGS = [c for c in CONFIG_FILES if c not in COMPILE_CONFIGS]
 
 # A tiny synthetic set: learnable in 2 epochs, an odd test size so the last
 # evaluation batch does not divide by 2 processes.
@@ -110,6 +114,8 @@ EXPECTED = {
     "deepspeed_zero3.yaml": ("DEEPSPEED", 2, 3, True),
     "deepspeed_zero3_offload.yaml": ("DEEPSPEED", 2, 3, True),
     "fsdp.yaml": ("FSDP", 2, None, True),
+    "1gpu_compile.yaml": ("NO", 1, None, False),
+    "2gpu_compile.yaml": ("MULTI_CPU", 2, None, False),
 }
 
 

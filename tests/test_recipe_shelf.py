@@ -54,10 +54,10 @@ def recipe_args(recipe, config, data):
 
 @pytest.fixture(scope="session")
 def shelf(launch, shelf_data):
-    """shelf(recipe, config, *extra, launch_args=FP32, check=True) -> Run of recipes/<recipe>.py."""
-    def _shelf(recipe, config, *extra, launch_args=FP32, check=True):
+    """shelf(recipe, config, *extra, launch_args=FP32, check=True, env=None) -> Run of recipes/<recipe>.py."""
+    def _shelf(recipe, config, *extra, launch_args=FP32, check=True, env=None):
         return launch(config, *recipe_args(recipe, config, shelf_data), *extra, launch_args=launch_args,
-                      recipe=f"recipes/{recipe}.py", check=check)
+                      recipe=f"recipes/{recipe}.py", check=check, env=env)
     return _shelf
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DATA_ARGS, REPO, TRAINING, Run, cpu_route, recipe_processes, skip_unless_ci
+from conftest import DATA_ARGS, EXPECTED, REPO, TRAINING, Run, cpu_route, recipe_processes, skip_unless_ci
 from test_checkpoint_resume import assert_identical_params, assert_same_steps
 
 sys.path.insert(0, str(REPO / "launch"))
@@ -107,19 +107,33 @@ def test_gpu_count_from_any_slurm_variable(name, gpus):
     ("n[1-2]", "n1", 2), ("gpu[01-04,07]", "gpu01", 5), ("r13i5n[7-8],r13i6n0", "r13i5n7", 3),
     ("rack[1-2]-n[01-02]", "rack1-n01", 4), ("node17", "node17", 1),
     ("node-[1-3]-ib", "node-1-ib", 3)])  # Slurm 22.05's scontrol rejects this one: "Invalid hostlist"
-def test_every_hostlist_form(nodelist, first, count):
+def test_every_hostlist_form(nodelist, first, count, monkeypatch, tmp_path):
     hosts = slurm_launch.expand_hostlist(nodelist)
     assert hosts[0] == first and len(hosts) == count
-    assert slurm_launch.first_host(nodelist) == first
+    # The real first_host with the real scontrol, which needs a slurm.conf but no controller for
+    # `show hostnames`; and our expansion host for host against Slurm's own, where Slurm accepts the form.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=unit\nSlurmctldHost=localhost\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    assert _real_first_host(nodelist) == first
+    if shutil.which("scontrol") is None:
+        skip_unless_ci("scontrol not installed: our expansion was not compared with Slurm's")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=20)
+    assert out.stdout.split() == ([] if nodelist == "node-[1-3]-ib" else hosts), out.stderr
 
 
-def test_scontrol_that_fails_falls_back(monkeypatch, tmp_path):
-    """scontrol installed without a slurm.conf fails ('Could not establish a configuration source')."""
-    fake = tmp_path / "scontrol"
-    fake.write_text("#!/bin/sh\necho 'scontrol: error: Could not establish a configuration source' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    assert _real_first_host("gpu[03-04]", str(fake)) == "gpu03"
-    assert _real_first_host("node-[1-3]-ib", str(fake)) == "node-1-ib"
+def test_first_host_asks_scontrol_and_falls_back(tmp_path):
+    """scontrol's answer wins; scontrol installed without a slurm.conf fails ('Could not establish a
+    configuration source') and our own expansion answers."""
+    answers = tmp_path / "scontrol"
+    answers.write_text("#!/bin/sh\necho from-scontrol-1; echo from-scontrol-2\n")
+    answers.chmod(0o755)
+    assert _real_first_host("gpu[03-04]", str(answers)) == "from-scontrol-1"
+    fails = tmp_path / "scontrol-fails"
+    fails.write_text("#!/bin/sh\necho 'scontrol: error: Could not establish a configuration source' >&2\nexit 1\n")
+    fails.chmod(0o755)
+    assert _real_first_host("gpu[03-04]", str(fails)) == "gpu03"
+    assert _real_first_host("node-[1-3]-ib", str(fails)) == "node-1-ib"
 
 
 @pytest.mark.parametrize("change, message", [
@@ -241,27 +255,72 @@ def summary(out_dir):
     return json.loads((out_dir / "summary.json").read_text())
 
 
+def steps_logged(out_dir):
+    path = out_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def listening_ports():
+    """TCP ports listened on in this network namespace, the one the one-node cluster's jobs run in."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def logged_port(log_text):
+    return int(re.search(r"--main_process_port (\d+)", log_text).group(1))
+
+
 @pytest.mark.slow
-def test_single_node_template_with_fake_gpus(one_node, data_dir, tmp_path):
-    state, log, _ = submit(one_node, ["launch/single_node.sbatch"], [CONFIG, RECIPE], data_dir, tmp_path / "out")
-    assert state == "COMPLETED", log
-    s = summary(tmp_path / "out")
+def test_two_jobs_on_one_node_at_once(one_node, data_dir, tmp_path):
+    """The single-node template twice on one node at the same time: one job with the node's 2 fake
+    GPUs (2 processes: the launcher counts the GPUs Slurm gave) and one without GPUs (1 process).
+    Each job's rendezvous store listens on its own port. The test holds the first job to train
+    mid-training until the other trains too, and sees both ports listening then: the two training
+    intervals overlap whatever the machine's speed."""
+    steps = 16
+    training = ("--max-steps", str(steps), "--log-every", "1")
+    env = {"TEST_STEP_SECONDS": "0.5"}  # at least 8 s of training per job: time to see both mid-training
+    layouts = {"gpus": ["launch/single_node.sbatch"],
+               "no_gpu": ["--gres=none", "launch/single_node.sbatch", "--processes-per-node", "1"]}
+    jobs = {name: submit(one_node, args, [CONFIG, RECIPE], data_dir, tmp_path / name, env=env, wait=False,
+                         training=training) for name, args in layouts.items()}
+
+    def training_now():
+        for name, (job, log) in jobs.items():
+            assert one_node.job_state(job)[0] in ("PENDING", "CONFIGURING", "RUNNING"), log.read_text()
+        return [name for name in jobs if steps_logged(tmp_path / name) >= 1]
+
+    wait_for(training_now, "a step of either job")
+    first = training_now()[0]
+    second = next(name for name in jobs if name != first)
+    held = recipe_processes(str(tmp_path / first))
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: second in training_now(), f"a step of job {second} while job {first} is held")
+        during = {name: steps_logged(tmp_path / name) for name in jobs}  # both read after `second` trained
+        listening = listening_ports()
+    finally:
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
+    results = {name: one_node.wait(job, timeout=400)[0] for name, (job, _) in jobs.items()}
+    logs = {name: log.read_text() for name, (_, log) in jobs.items()}
+    for name, state in results.items():
+        assert state == "COMPLETED", logs[name]
+    # Both had trained and neither had finished at one moment: the training intervals overlap.
+    assert all(1 <= during[name] < steps for name in jobs), during
+    assert all(steps_logged(tmp_path / name) == steps for name in jobs)
+    ports = {name: logged_port(logs[name]) for name in jobs}
+    assert ports["gpus"] != ports["no_gpu"] and set(ports.values()) <= listening, (ports, sorted(listening))
+    s = summary(tmp_path / "gpus")
     assert (s["world_size"], s["distributed_type"]) == (2, "MULTI_CPU")  # 2 fake GPUs -> 2 processes
-    assert "--num_processes 2" in log
-
-
-@pytest.mark.slow
-def test_two_jobs_on_one_node_do_not_collide(one_node, data_dir, tmp_path):
-    # No GPUs asked for, so both fit on the node at once; 1 process each.
-    jobs = [submit(one_node, ["--gres=none", "launch/single_node.sbatch", "--processes-per-node", "1"],
-                   [CONFIG, RECIPE], data_dir, tmp_path / f"out{i}", wait=False) for i in range(2)]
-    results = [(one_node.wait(job, timeout=400), log) for job, log in jobs]
-    for (state, fields), log in results:
-        assert state == "COMPLETED", log.read_text()
-    ports = {log.read_text().split("--main_process_port ")[1].split()[0] for _, log in results}
-    assert len(ports) == 2
-    (_, a), (_, b) = [r[0] for r in results]
-    assert a["StartTime"] <= b["EndTime"] and b["StartTime"] <= a["EndTime"], "the jobs did not overlap"
+    assert "--num_processes 2" in logs["gpus"]
+    assert summary(tmp_path / "no_gpu")["world_size"] == 1
 
 
 @pytest.mark.slow
@@ -295,16 +354,35 @@ def test_per_gpu_mode_two_tasks_on_one_node(one_node, data_dir, tmp_path):
     assert len(set(s["param_checksum_per_rank"])) == 1
 
 
+def task_hosts(log_text):
+    """{(host, task)} of the launcher's one line per task ('slurm_launch: node2 node 1 task 1: ...')."""
+    return set(re.findall(r"^slurm_launch: (\S+) node \d+ task (\d+): ", log_text, flags=re.M))
+
+
+PER_GPU_TWO_NODES = ["--ntasks-per-node=1", "launch/multinode.sbatch", "--mode", "per-gpu", "--processes-per-node",
+                     "1"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["2gpu.yaml", "deepspeed_zero2.yaml", "fsdp.yaml"])
-def test_per_gpu_mode_on_two_nodes(two_nodes, data_dir, tmp_path, config):
-    args = ["--ntasks-per-node=1", "launch/multinode.sbatch", "--mode", "per-gpu", "--processes-per-node", "1"]
-    state, log, _ = submit(two_nodes, args, [f"accelerate_configs/{config}", RECIPE], data_dir, tmp_path / "out")
+@pytest.mark.parametrize("config", ["deepspeed_zero2.yaml", "fsdp.yaml"])  # DDP: the preemption test below
+def test_per_gpu_mode_on_two_nodes(two_nodes, data_dir, tmp_path, reference, config):
+    """One task per process on each node; the same training as the fp32 reference run of this config
+    (2 processes on one machine, shared with the resume tests) ends with the same weights."""
+    ref, _ = reference(config)
+    out = tmp_path / "out"
+    state, log, _ = submit(two_nodes, PER_GPU_TWO_NODES, [str(fp32_config(tmp_path, config)), RECIPE], data_dir,
+                           out, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")},  # its CPU route (conftest)
+                           training=(*TRAINING, "--checkpoint-dir", str(tmp_path / "ckpt")))
     assert state == "COMPLETED", log
-    s = summary(tmp_path / "out")
+    s = summary(out)
     assert s["world_size"] == 2
-    expected = {"2gpu.yaml": "MULTI_CPU", "deepspeed_zero2.yaml": "DEEPSPEED", "fsdp.yaml": "FSDP"}[config]
-    assert s["distributed_type"] == expected
+    assert s["distributed_type"] == {"deepspeed_zero2.yaml": "DEEPSPEED", "fsdp.yaml": "FSDP"}[config]
+    assert task_hosts(log) == {("node1", "0"), ("node2", "1")}, log  # a process on each host
+    if not EXPECTED[config][3]:  # each rank holds all the weights unless they are sharded (FSDP)
+        assert len(set(s["param_checksum_per_rank"])) == 1
+    run = Run(0, log, out)
+    assert_identical_params(ref.params(), run.params())
+    assert_same_steps(ref.metrics, run.metrics, after_step=0)
 
 
 @pytest.mark.slow
@@ -363,10 +441,10 @@ def test_shell_scripts_are_clean():
 CPU_ROUTE_DDP = {"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(REPO / "tests" / "cpu_shim")}
 
 
-def fp32_config(tmp_path):
-    """The shipped 2-GPU config in fp32: exact comparisons, and bf16 on a CPU is 7x slower."""
-    config = tmp_path / "2gpu_fp32.yaml"
-    text = (REPO / "accelerate_configs" / "2gpu.yaml").read_text()
+def fp32_config(tmp_path, name="2gpu.yaml"):
+    """A shipped config in fp32, as the reference runs: exact comparisons, and bf16 on a CPU is 7x slower."""
+    config = tmp_path / name.replace(".yaml", "_fp32.yaml")
+    text = (REPO / "accelerate_configs" / name).read_text()
     assert "mixed_precision: bf16" in text
     config.write_text(text.replace("mixed_precision: bf16", "mixed_precision: 'no'"))
     return config
@@ -400,21 +478,45 @@ def wait_for(condition, what, timeout=300):
         time.sleep(0.1)
 
 
+def srun_exit_codes(log_text):
+    """The exit codes srun reports for tasks that exited non-zero ('srun: error: node2: task 1: Exited with
+    exit code 75'); a task that srun ended itself (--kill-on-bad-exit) is reported 'Terminated' instead."""
+    return re.findall(r"^srun: error: \S+: task \d+: Exited with exit code (\d+)$", log_text, flags=re.M)
+
+
+def runs_of(log_text):
+    """The appended log of a requeued job, one text per run ('job 7: run 2 on node[1-2]' starts each)."""
+    return re.split(r"^job \d+: run \d+ on .*$", log_text, flags=re.M)[1:]
+
+
 @pytest.mark.slow
-def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir, tmp_path, reference):
-    """The batch script gets the warning signal and passes it to every process of the step on both
-    nodes; the job checkpoints, requeues itself, resumes and ends with exactly the weights of an
-    uninterrupted run."""
-    longer = ("--epochs", "6")  # 60 steps: time to catch the run mid-training
-    ref, _ = reference("2gpu.yaml", *longer)  # 2 processes, fp32, the same training
+@pytest.mark.parametrize("mode, stop", [("per-node", "TERM"), ("per-gpu", "USR1")])
+def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir, tmp_path, reference, mode, stop):
+    """A stop signal reaches every training process on both nodes mid-training; the job checkpoints,
+    requeues itself, resumes and ends with exactly the weights of the uninterrupted reference run.
+
+    per-node, SIGTERM as a preemption sends it: Slurm 22.05 with PreemptMode=REQUEUE and a GraceTime
+    signals every process of the job's steps (here: slurm_launch, torchrun and the training
+    processes), not the batch script, as `scancel --signal=TERM` does. The batch script alone gets
+    one too, as from `scancel --batch` or `--signal=B:TERM`: it must stay alive to requeue. (A signal
+    to the batch script's children as well, `scancel --full`, would reach srun, which answers
+    SIGTERM by killing the tasks: no template can checkpoint then.) slurm_launch turns the
+    training's stop marker back into exit code 75, which srun reports.
+    per-gpu, SIGUSR1 as the templates' own timer sends it: to the batch script, which passes it to
+    srun, which passes it to the tasks, the training processes themselves."""
+    ref, _ = reference("2gpu.yaml")  # 2 processes, fp32, the same training (20 steps), uninterrupted
     config = fp32_config(tmp_path)
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    job, log = submit(two_nodes, ["launch/multinode.sbatch", "--processes-per-node=1"], [str(config), RECIPE],
-                      data_dir, out, env=CPU_ROUTE_DDP,
-                      wait=False, training=(*TRAINING, *longer, "--checkpoint-dir", str(ckpt)))
-    metrics = out / "metrics.jsonl"
+    sbatch_args = (["launch/multinode.sbatch", "--processes-per-node=1"] if mode == "per-node"
+                   else PER_GPU_TWO_NODES)
+    # Steps of at least 0.5 s (the CPU shim's TEST_STEP_SECONDS): the run is caught mid-training
+    # however fast the machine is.
+    job, log = submit(two_nodes, sbatch_args, [str(config), RECIPE], data_dir, out,
+                      env={**CPU_ROUTE_DDP, "TEST_STEP_SECONDS": "0.5"},
+                      wait=False, training=(*TRAINING, "--checkpoint-dir", str(ckpt)))
+
     def at_step_5():
-        if not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        if steps_logged(out) < 5:
             assert two_nodes.job_state(job)[0] in ("PENDING", "CONFIGURING", "RUNNING"), log.read_text()
             return False
         return len(recipe_processes(str(out))) == 2
@@ -424,22 +526,37 @@ def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir
     workers = recipe_processes(str(out))
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)
-    # What Slurm does at --signal=B:USR1@T: signal the batch script, which passes it on.
-    assert two_nodes.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
-    usr1 = 1 << (signal.SIGUSR1 - 1)
-    wait_for(lambda: all(pending_signals(pid) & usr1 for pid in workers),
-             f"SIGUSR1 pending in {workers} (stopped at step {len(metrics.read_text().splitlines())})", timeout=60)
+    if stop == "TERM":
+        assert two_nodes.run(["scancel", "--signal=TERM", job]).returncode == 0
+        assert two_nodes.run(["scancel", "--batch", "--signal=TERM", job]).returncode == 0
+    else:  # what Slurm does at --signal=B:USR1@T, and the templates' timer: signal the batch script
+        assert two_nodes.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
+    number = getattr(signal, f"SIG{stop}")
+    wait_for(lambda: all(pending_signals(pid) & (1 << (number - 1)) for pid in workers),
+             f"SIG{stop} pending in {workers} (stopped at step {steps_logged(out)})", timeout=60)
     for pid in workers:
         os.kill(pid, signal.SIGCONT)
     state, fields = wait_final(two_nodes, job)
     text = log.read_text()
     assert state == "COMPLETED", text
     assert fields["Restarts"] == "1", fields
-    assert "asking the training to checkpoint" in text and "stopped by SIGUSR1" in text
-    assert "checkpoint saved, requeueing" in text
-    assert "run 2 on" in text and f"resumed from {ckpt}" in text
+    stopped, resumed_run = runs_of(text)
+    assert f"stopped by SIG{stop}" in stopped and "checkpoint saved, requeueing" in stopped
+    if stop == "TERM":
+        assert "SIGTERM, waiting for the training to checkpoint" in stopped
+    else:
+        assert "asking the training to checkpoint" in stopped
+    # The step's exit status: every task that exited on its own exited 75 (per-node: slurm_launch
+    # turning the training's stop marker back into 75, and saying so).
+    assert srun_exit_codes(stopped) and set(srun_exit_codes(stopped)) == {"75"}, stopped
+    if mode == "per-node":
+        assert "slurm_launch: training stopped on a signal after saving a checkpoint (exit 75)" in stopped
+    assert f"resumed from {ckpt}" in resumed_run and not srun_exit_codes(resumed_run)
+    for run_text in (stopped, resumed_run):
+        assert task_hosts(run_text) == {("node1", "0"), ("node2", "1")}, run_text  # both hosts, each run
     resumed = Run(0, text, out)
-    assert resumed.summary["world_size"] == 2 and resumed.summary["steps"] == 60
+    assert resumed.summary["world_size"] == 2 and resumed.summary["steps"] == 20
+    assert resumed.summary["distributed_type"] == "MULTI_CPU" and resumed.summary["resumed_from_step"] >= 5
     assert_identical_params(ref.params(), resumed.params())
     assert_same_steps(ref.metrics, resumed.metrics, after_step=0)
 

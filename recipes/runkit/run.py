@@ -258,7 +258,9 @@ class Run:
         timing = self.timer.timing(self.samples_per_micro, self.unit)
         if acc.is_main_process:
             out = args.output_dir
-            weights = {k: v.contiguous().cpu() for k, v in state_dict.items() if k not in exclude}
+            # torch.compile (a *_compile.yaml) prefixes every key with _orig_mod.: export the model's own names.
+            weights = {k.replace("_orig_mod.", ""): v.contiguous().cpu() for k, v in state_dict.items()
+                       if k.replace("_orig_mod.", "") not in exclude}
             save_file(weights, os.path.join(out, "model.safetensors"))
             this_run = s["step"] - (self.resumed_from or 0)
             rate = this_run * self.samples_per_micro * self.grad_accum / max(train_time - self._resumed_time, 1e-9)
