@@ -16,7 +16,9 @@ never (accelerate 1.15, DeepSpeed 0.19):
   * stage-3 options on stage 1 or 2: DeepSpeed ignores them without a word;
   * mixed precision in the YAML next to a DeepSpeed JSON (accelerate refuses it at start-up, and
     the error names both values when they disagree); with a JSON only the JSON decides;
-  * YAML DeepSpeed keys next to deepspeed_config_file: accelerate refuses the mix at start-up.
+  * YAML DeepSpeed keys next to deepspeed_config_file: accelerate refuses the mix at start-up;
+  * (a warning) top-level keys accelerate launch never applies, because their command-line
+    options have defaults that win (rdzv_backend, same_network, ...).
 Exit 0 when the config is usable (notes are printed), 2 with one line per problem otherwise.
 launch/slurm_launch.py runs this check in every task before it launches anything.
 """
@@ -51,6 +53,9 @@ class Problems:
     def note(self, text):
         self.notes.append(f"{self.config}: note: {text}")
 
+    def warn(self, key, problem, fix):
+        self.notes.append(f"warning: {self.config}: {key}: {problem}. Fix: {fix}")
+
 
 def load_with_accelerate(path, problems):
     """accelerate's own loader: the same errors `accelerate launch` would give, before anything starts."""
@@ -78,6 +83,20 @@ def load_with_accelerate(path, problems):
                        "remove or correct the key it names; `accelerate config` writes a valid file")
         return None
     return raw
+
+
+def check_ignored_keys(raw, problems):
+    """Top-level keys accelerate launch never applies: it copies one from the YAML only when its command-line
+    option is still None, and these options have defaults of their own (e.g. rdzv_backend, same_network)."""
+    from accelerate.commands.launch import launch_command_parser
+    defaults = {action.dest: action.default for action in launch_command_parser()._actions}
+    for key, value in raw.items():
+        if isinstance(value, dict) or key in ("compute_environment", "mixed_precision", "distributed_type"):
+            continue  # nested sections and these three are applied by accelerate's own code
+        if defaults.get(key) is not None:
+            problems.warn(key, f"accelerate launch ignores it: the command-line option --{key} has its own default "
+                               f"({defaults[key]!r}), which wins over the YAML", f"remove it, or pass --{key} "
+                               f"on the command line")
 
 
 def load_deepspeed_json(raw, config_path, problems):
@@ -183,6 +202,8 @@ def check(config, recipe=None):
         problems.error("file", "does not exist", "give the path of a YAML file in accelerate_configs/")
         return problems.errors, problems.notes
     raw = load_with_accelerate(config, problems)
+    if raw is not None:
+        check_ignored_keys(raw, problems)
     if raw is not None and raw.get("distributed_type") == "DEEPSPEED":
         ds_json = load_deepspeed_json(raw, config, problems)
         if ds_json is not None:

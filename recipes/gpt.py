@@ -129,6 +129,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    _no_split_modules = ["Block"]  # the unit FSDP (fsdp.yaml) shards and gathers one at a time, like HF models
+
     def __init__(self, layers, heads, d, block_size, dropout=0.0):
         super().__init__()
         self.block_size = block_size

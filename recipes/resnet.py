@@ -116,6 +116,7 @@ def build_model(arch, num_classes, image_size):
     if not hasattr(torchvision.models, arch) or not arch.startswith(("resnet", "wide_resnet", "resnext")):
         raise ValueError(arch)
     model = getattr(torchvision.models, arch)(num_classes=num_classes)  # random init: nothing to download
+    model._no_split_modules = [type(model.layer1[0]).__name__]  # fsdp.yaml: one FSDP unit per residual block
     if image_size <= 64:  # CIFAR stem: keep the resolution a small image needs
         model.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()

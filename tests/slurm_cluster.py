@@ -2,7 +2,8 @@
 
 Everything lives in a temporary directory: config, munge key and socket, state, spool,
 pid files and logs. The daemons run as root (SlurmUser=root) without systemd, and
-are stopped by the PIDs this module started, nothing else.
+are stopped by the PIDs this module started; then every process that still carries this
+cluster's SLURM_CONF in its environment (a job's leftovers) is killed, nothing else.
 
 Layouts (every node has 2 fake GPUs, gres on /dev/tty0-1, so tasks get
 SLURM_GPUS_ON_NODE, SLURM_STEP_GPUS and CUDA_VISIBLE_DEVICES as on a GPU node):
@@ -159,6 +160,9 @@ class SlurmCluster:
                 "sh", "-c", setup, "sh", *cmd]
 
     def stop(self):
+        """End every job, then the daemons, then whatever this cluster started that outlived them."""
+        if self.pids:
+            self._end_jobs()
         for pid in reversed(self.pids):
             try:
                 os.kill(pid, 15)
@@ -171,9 +175,43 @@ class SlurmCluster:
             if _alive(pid):
                 os.kill(pid, 9)
         self.pids = []
+        self._kill_leftovers()
         for name in reversed(self.netns):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         self.netns = []
+
+    def _end_jobs(self, timeout=30):
+        """Cancel the jobs a failed test left running (a stopped daemon does not end its jobs' processes)."""
+        try:
+            jobs = self.run(["squeue", "-h", "-o", "%A"], timeout=20).stdout.split()
+            if jobs:
+                self.run(["scancel", *jobs], timeout=20)
+            deadline = time.time() + timeout
+            while jobs and time.time() < deadline:
+                time.sleep(0.5)
+                jobs = self.run(["squeue", "-h", "-o", "%A"], timeout=20).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            pass  # the controller is gone: the sweep below still finds the jobs' processes
+
+    def _kill_leftovers(self):
+        """SIGKILL every process that carries this cluster's SLURM_CONF in its environment: daemons,
+        slurmstepd and everything a job started, inherited down to a timer's `sleep`. Nothing else has it."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        for _ in range(50):
+            found = []
+            for entry in filter(str.isdigit, os.listdir("/proc")):
+                pid = int(entry)
+                if pid == os.getpid():
+                    continue
+                try:
+                    if mark in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                        found.append(pid)
+                        os.kill(pid, 9)
+                except (OSError, ProcessLookupError):
+                    continue  # gone meanwhile, or a zombie
+            if not found:
+                return
+            time.sleep(0.1)
 
     def _daemon(self, cmd, pid_file):
         subprocess.run(cmd, env=self.env, check=True, capture_output=True, timeout=30)  # they daemonise

@@ -202,3 +202,16 @@ def test_readme_pitch_names_exactly_the_accelerate_calls():
     named = set(re.findall(r"`(accelerator\.[a-z_]+)`", line))
     assert named == accelerate_calls(RECIPES), (named ^ accelerate_calls(RECIPES))
     assert "`Accelerator(...)`" in line
+
+
+def test_no_config_overrides_the_gpus_slurm_assigned(tmp_path):
+    """CUDA_VISIBLE_DEVICES (set by Slurm, or by the user) reaches the worker unchanged: no shipped config
+    names its own GPU ids (1gpu.yaml once said '0' and took GPU 0 whatever Slurm had assigned)."""
+    assert all(load_yaml(c).get("gpu_ids", "all") == "all" for c in CONFIG_FILES)
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os\nprint('visible=' + os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>'))\n")
+    result = subprocess.run(["accelerate", "launch", "--config_file", str(CONFIG_DIR / "1gpu.yaml"), str(probe)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "visible=1" in result.stdout, result.stdout

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ALL_CONFIGS, CONFIG_DIR, REPO, free_port, launch_command, run_command
+from conftest import CONFIG_DIR, CONFIG_FILES, REPO, free_port, launch_command, run_command
 
 sys.path.insert(0, str(REPO / "launch"))
 import check_config  # noqa: E402
@@ -243,11 +243,24 @@ def test_benchmark_refuses_an_unknown_config(tmp_path):
 
 # --- launch/check_config.py ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("config", CONFIG_FILES)
 def test_every_shipped_config_passes(config):
     for recipe in ("recipes/mnist.py", "recipes/gpt.py", None):
-        errors, _ = check_config.check(str(CONFIG_DIR / config), recipe)
+        errors, notes = check_config.check(str(CONFIG_DIR / config), recipe)
         assert errors == [], errors
+        assert not [n for n in notes if n.startswith("warning:")], notes  # no key that accelerate ignores
+
+
+def test_keys_accelerate_ignores_are_warned_about(tmp_path):
+    """accelerate launch applies a top-level key only when its command-line option defaults to None:
+    rdzv_backend and same_network (once in multinode.yaml) never reached the launch."""
+    config = tmp_path / "multi.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n"
+                      "rdzv_backend: c10d\nsame_network: false\nmain_process_port: 29500\n")
+    errors, notes = check_config.check(str(config))
+    warned = sorted(n.split(": ")[2] for n in notes if n.startswith("warning:"))
+    assert errors == [] and warned == ["rdzv_backend", "same_network"], notes
+    assert "--rdzv_backend has its own default ('static')" in " ".join(notes)
 
 
 DS_YAML = ("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_machines: 1\nnum_processes: 2\n"

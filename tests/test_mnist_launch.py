@@ -42,6 +42,7 @@ def test_config_really_trains(launch, reference, config):
     else:  # replicated: every rank holds the same, synchronised weights
         assert all(n == s["param_elements"] for n in s["param_elements_per_rank"]), s
         assert len(set(s["param_checksum_per_rank"])) == 1, s
+    assert s["fsdp_units"] == (1 if config == "fsdp.yaml" else None)  # the ConvNet declares no block: one unit
     # Offload swaps the optimizer; the summary must say which one really ran.
     assert s["optimizer"] == ("DeepSpeedCPUAdam" if "offload" in config else "AdamW")
     # Each figure from its definition (docs/measuring.md, "Summary fields").
@@ -59,7 +60,11 @@ def test_config_really_trains(launch, reference, config):
     assert len(results) == 1 and all(str(run.out_dir / f) in results[0] for f in (
         "summary.json", "metrics.jsonl", "eval.jsonl", "model.safetensors"))
 
-    shipped = launch(config, "--max-steps", "2", "--log-every", "1").summary  # the YAML's own precision
+    smoke = launch(config, "--max-steps", "2", "--log-every", "1")  # the YAML's own precision
+    shipped = smoke.summary
+    # model.safetensors is fp32 from every config (DeepSpeed's bf16 engines once exported bf16 weights).
+    assert shipped["exported_dtype"] == "float32"
+    assert {v.dtype for v in smoke.params().values() if v.is_floating_point()} == {torch.float32}
     assert shipped["mixed_precision"] == load_yaml(config).get("mixed_precision", "no")
     assert (shipped["distributed_type"], shipped["steps"]) == (dist_type, 2)
     assert all(math.isfinite(x) for x in (shipped["first_loss"], shipped["final_loss"], shipped["test_loss"]))

@@ -298,6 +298,9 @@ def test_gpt_under_every_config(shelf, config):
     assert_engine(s, config)
     assert s["steps"] == 12 and s["preset"] == "tiny" and s["optimizer"] == ("DeepSpeedCPUAdam" if config == OFFLOAD else "AdamW")
     assert_shards_held(s, config)  # ZeRO-3 and FSDP: half of the parameters on each rank
+    # FSDP shards per transformer block (gpt.GPT._no_split_modules): the root, blocks.0, blocks.1, and ln_f,
+    # which accelerate splits off; not one unit that stays gathered from forward to backward.
+    assert s["fsdp_units"] == (4 if config == "fsdp.yaml" else None)
     # The prompt and then --sample-tokens 16 new bytes, decoded as UTF-8 (1 to 4 bytes per character,
     # an invalid byte shown as one replacement character): 4 to 16 characters after the prompt.
     assert s["sample"].startswith("def ") and 4 <= len(s["sample"]) - len("def ") <= 16, s["sample"]
@@ -316,6 +319,16 @@ def test_gpt_under_every_config(shelf, config):
     assert len(one.metrics) == len(run.metrics) == 12
     for a, b in zip(one.metrics, run.metrics):
         assert a["step"] == b["step"] and b["loss"] == pytest.approx(a["loss"], rel=tolerance), (config, a, b)
+
+
+def test_gpt_fsdp_activation_checkpointing(shelf):
+    """fsdp.yaml with accelerate's --fsdp_activation_checkpointing: each block's activations are recomputed
+    in backward (checkpoint wrappers, sharded with their blocks), and the training is the same."""
+    plain = shelf("gpt", "fsdp.yaml")
+    checkpointed = shelf("gpt", "fsdp.yaml", launch_args=("--mixed_precision", "no", "--fsdp_activation_checkpointing",
+                                                          "true"))
+    assert checkpointed.summary["fsdp_units"] == 6  # + a CheckpointWrapper around each of the 2 blocks
+    assert [m["loss"] for m in checkpointed.metrics] == pytest.approx([m["loss"] for m in plain.metrics], rel=1e-6)
 
 
 def test_gpt_stop_on_one_rank_and_resume_under_zero3(start, shelf, shelf_data, tmp_path):

@@ -275,13 +275,19 @@ def logged_port(log_text):
     return int(re.search(r"--main_process_port (\d+)", log_text).group(1))
 
 
+def master_port(pid):
+    """The rendezvous port torchrun gave this training process (from its environment)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"MASTER_PORT="))[len("MASTER_PORT="):])
+
+
 @pytest.mark.slow
 def test_two_jobs_on_one_node_at_once(one_node, data_dir, tmp_path):
     """The single-node template twice on one node at the same time: one job with the node's 2 fake
     GPUs (2 processes: the launcher counts the GPUs Slurm gave) and one without GPUs (1 process).
-    Each job's rendezvous store listens on its own port. The test holds the first job to train
-    mid-training until the other trains too, and sees both ports listening then: the two training
-    intervals overlap whatever the machine's speed."""
+    The test holds the first job to train mid-training until the other trains too: the two training
+    intervals overlap whatever the machine's speed. Then each job's processes use the port its
+    launcher derived from the job id, a different one per job, and both ports are listening."""
     steps = 16
     training = ("--max-steps", str(steps), "--log-every", "1")
     env = {"TEST_STEP_SECONDS": "0.5"}  # at least 8 s of training per job: time to see both mid-training
@@ -305,6 +311,7 @@ def test_two_jobs_on_one_node_at_once(one_node, data_dir, tmp_path):
         wait_for(lambda: second in training_now(), f"a step of job {second} while job {first} is held")
         during = {name: steps_logged(tmp_path / name) for name in jobs}  # both read after `second` trained
         listening = listening_ports()
+        used = {name: {master_port(pid) for pid in recipe_processes(str(tmp_path / name))} for name in jobs}
     finally:
         for pid in held:
             os.kill(pid, signal.SIGCONT)
@@ -315,8 +322,13 @@ def test_two_jobs_on_one_node_at_once(one_node, data_dir, tmp_path):
     # Both had trained and neither had finished at one moment: the training intervals overlap.
     assert all(1 <= during[name] < steps for name in jobs), during
     assert all(steps_logged(tmp_path / name) == steps for name in jobs)
+    # Each job's processes met on the port its launcher chose, and both ports were listening then.
+    # (On one machine accelerate launch moves to a free port when its port is taken, so a
+    # collision would not fail a job here: it would show as a worker on another port.)
     ports = {name: logged_port(logs[name]) for name in jobs}
-    assert ports["gpus"] != ports["no_gpu"] and set(ports.values()) <= listening, (ports, sorted(listening))
+    assert ports["gpus"] != ports["no_gpu"], ports
+    assert used == {name: {port} for name, port in ports.items()}, (used, ports)
+    assert set(ports.values()) <= listening, (ports, sorted(listening))
     s = summary(tmp_path / "gpus")
     assert (s["world_size"], s["distributed_type"]) == (2, "MULTI_CPU")  # 2 fake GPUs -> 2 processes
     assert "--num_processes 2" in logs["gpus"]
@@ -526,16 +538,18 @@ def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir
     workers = recipe_processes(str(out))
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)
-    if stop == "TERM":
-        assert two_nodes.run(["scancel", "--signal=TERM", job]).returncode == 0
-        assert two_nodes.run(["scancel", "--batch", "--signal=TERM", job]).returncode == 0
-    else:  # what Slurm does at --signal=B:USR1@T, and the templates' timer: signal the batch script
-        assert two_nodes.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
-    number = getattr(signal, f"SIG{stop}")
-    wait_for(lambda: all(pending_signals(pid) & (1 << (number - 1)) for pid in workers),
-             f"SIG{stop} pending in {workers} (stopped at step {steps_logged(out)})", timeout=60)
-    for pid in workers:
-        os.kill(pid, signal.SIGCONT)
+    try:
+        if stop == "TERM":
+            assert two_nodes.run(["scancel", "--signal=TERM", job]).returncode == 0
+            assert two_nodes.run(["scancel", "--batch", "--signal=TERM", job]).returncode == 0
+        else:  # what Slurm does at --signal=B:USR1@T, and the templates' timer: signal the batch script
+            assert two_nodes.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
+        number = getattr(signal, f"SIG{stop}")
+        wait_for(lambda: all(pending_signals(pid) & (1 << (number - 1)) for pid in workers),
+                 f"SIG{stop} pending in {workers} (stopped at step {steps_logged(out)})", timeout=60)
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
     state, fields = wait_final(two_nodes, job)
     text = log.read_text()
     assert state == "COMPLETED", text
@@ -581,6 +595,9 @@ def test_time_limit_warning_requeues_until_done(one_node, data_dir, tmp_path):
     assert restarts >= 1, fields
     assert text.count("asking the training to checkpoint") >= restarts, text
     assert text.count("stopped by SIGUSR1") == restarts, text
+    # Each stop: slurm_launch turned the training's marker back into 75, and srun saw it.
+    assert text.count("slurm_launch: training stopped on a signal after saving a checkpoint (exit 75)") == restarts
+    assert srun_exit_codes(text) == ["75"] * restarts, text
     assert text.count(f"resumed from {ckpt}") == restarts
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 60 and summary["resumed_from_step"] > 0

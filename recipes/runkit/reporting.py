@@ -147,7 +147,16 @@ def footprint(accelerator, model):
             "peak_memory_mb_per_rank": per_rank[:, 0].tolist(),
             "peak_memory_kind": "cuda_allocated" if accelerator.device.type == "cuda" else "cpu_max_rss",
             "param_elements_per_rank": [int(n) for n in per_rank[:, 1].tolist()],
-            "param_checksum_per_rank": per_rank[:, 2].tolist()}  # equal on every rank unless sharded
+            "param_checksum_per_rank": per_rank[:, 2].tolist(),  # equal on every rank unless sharded
+            "fsdp_units": fsdp_units(model)}
+
+
+def fsdp_units(model):
+    """How many FSDP2 units (fully_shard calls) the model was split into: each is gathered, used and freed
+    on its own. None when the model is not under FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+    units = sum(isinstance(module, FSDPModule) for module in model.modules())
+    return units or None
 
 
 def write_summary(output_dir, summary):

@@ -259,8 +259,9 @@ class Run:
         if acc.is_main_process:
             out = args.output_dir
             # torch.compile (a *_compile.yaml) prefixes every key with _orig_mod.: export the model's own names.
-            weights = {k.replace("_orig_mod.", ""): v.contiguous().cpu() for k, v in state_dict.items()
-                       if k.replace("_orig_mod.", "") not in exclude}
+            # fp32 from every config: DeepSpeed's bf16 engines would otherwise export bf16, DDP and FSDP fp32.
+            weights = {k.replace("_orig_mod.", ""): (v.float() if v.is_floating_point() else v).contiguous().cpu()
+                       for k, v in state_dict.items() if k.replace("_orig_mod.", "") not in exclude}
             save_file(weights, os.path.join(out, "model.safetensors"))
             this_run = s["step"] - (self.resumed_from or 0)
             rate = this_run * self.samples_per_micro * self.grad_accum / max(train_time - self._resumed_time, 1e-9)
@@ -277,7 +278,7 @@ class Run:
                 "final_loss": s["final_loss"], **evaluation, f"{self.unit}_per_s": rate,
                 **({"mfu": self._mfu(rate) if args.peak_tflops else None} if self.flops_per_unit else {}),
                 "data_time_s": t.total_data, "compute_time_s": t.total_compute,
-                "data_fraction": t.total_data / max(t.total_data + t.total_compute, 1e-9),
+                "data_fraction": t.total_data / max(t.total_data + t.total_compute, 1e-9), "exported_dtype": "float32",
                 "param_elements": sum(v.numel() for k, v in weights.items()
                                       if v.is_floating_point() and "running" not in k),
                 **shards, "timing": timing, **summary,
