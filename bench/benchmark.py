@@ -4,19 +4,25 @@
     python bench/benchmark.py --repeats 3 --steps 300          # the table in docs/measuring.md
     python bench/benchmark.py --recipe gpt --preset tiny --configs 2gpu.yaml deepspeed_zero3.yaml
     python bench/benchmark.py --recipe resnet --recipe-args "--data-dir my_images --image-size 32"
+    python bench/benchmark.py --recipe gpt --preset 124M --mixed-precision bf16 --configs 1gpu_compile.yaml
 
 Every run has the same global batch, seed, step count and precision (--mixed-precision, fp32 by
 default, like the baselines). On a machine with GPUs every run uses all of them; without, it runs
 2 processes over gloo through the CPU route (cpu_route/, docs/configs.md "On a CPU").
 For the MNIST recipe the same report holds two hand-written DDP baselines (bench/ddp_baseline.py):
 the course-style per-sample pipeline and the recipe's tensor pipeline.
+For MNIST and GPT it also runs the lean-loop ceiling (bench/lean_loop.py): the recipe's model in a
+minimal single-process loop with the same global batch, precision and compile setting, compared with
+the recipe's 1-process run(s) in the list (a config with num_processes 1); when the list has none,
+the benchmark adds one (1gpu_compile.yaml if a config of the list compiles, else 1gpu.yaml on a GPU
+machine, cpu.yaml without GPU) so that the recipe / lean ratio is always there. --no-lean skips both.
 
 Each run's own timer (recipes/runkit/timing.py StepTimer, and the same code in the baseline) gives the
 steady state after its first step: samples/s, the step split into data wait / forward+backward /
 optimizer, and peak memory per process. The benchmark adds the start-up time (launch to end of the
 first step) and the training time to --target-loss and --target-accuracy.
 
-Writes OUT/results.json, OUT/results.md (the table and the three ratios, with their goals) and
+Writes OUT/results.json, OUT/results.md (the table and the ratios, with their goals) and
 OUT/results.png; each run's log is in OUT/logs/. A run that fails is reported as failed, and the
 benchmark then exits 1. It measures; it asserts nothing.
 """
@@ -46,6 +52,13 @@ DEFAULT_TARGET_LOSS = {"mnist": 0.3, "gpt": 3.0, "resnet": 0.5}
 DEFAULT_BATCH = {"mnist": 128, "gpt": 32, "resnet": 64}  # global; resnet below its recipe's 256, for CPUs
 BASELINES = {"ddp-by-hand (per-sample ToTensor)": "per-sample", "ddp-by-hand (tensor pipeline)": "tensor"}
 DDP = "2gpu.yaml"
+LEAN = "lean loop"  # bench/lean_loop.py's rows: "lean loop", "lean loop (compiled)", "lean loop (CPU)" ...
+# recipe throughput / lean-loop throughput: (goal, when it applies). GPU goals; on a CPU the ratio is shown, not judged.
+LEAN_GOALS = {"mnist": (0.80, "MNIST at global batch 512, on a GPU"), "gpt": (0.90, "GPT-124M compiled, on a GPU")}
+# Recipe flags that shape the model or its optimizer the same way in bench/lean_loop.py: forwarded from
+# --recipe-args, with their number of values.
+LEAN_SHARED_FLAGS = {"--block-size": 1, "--dropout": 1, "--no-batchnorm": 0, "--lr": 1, "--weight-decay": 1,
+                     "--max-grad-norm": 1, "--peak-tflops": 1}
 
 
 def parse_args():
@@ -53,6 +66,9 @@ def parse_args():
     p.add_argument("--recipe", choices=["mnist", "gpt", "resnet"], default="mnist")
     p.add_argument("--configs", nargs="+", default=MULTI_PROCESS_CONFIGS, help="files in accelerate_configs/")
     p.add_argument("--no-baselines", action="store_true", help="MNIST only: skip the two hand-written DDP runs")
+    p.add_argument("--no-lean", action="store_true",
+                   help="MNIST, GPT: skip the lean-loop ceiling (bench/lean_loop.py) and the 1-process run it "
+                        "adds when --configs has none")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     p.add_argument("--batch-size", type=int, default=0, help="GLOBAL batch (0: mnist 128, gpt 32, resnet 64)")
     p.add_argument("--seed", type=int, default=42)
@@ -98,6 +114,67 @@ def _version(package):
         return None
 
 
+def load_config(config):
+    return yaml.safe_load(open(CONFIGS / config))
+
+
+def single_process(config):
+    """A config that runs the recipe as one process (1gpu.yaml, 1gpu_compile.yaml, cpu.yaml): the lean loop's peer."""
+    cfg = load_config(config)
+    return cfg.get("num_processes", 1) == 1 and cfg.get("num_machines", 1) == 1
+
+
+def compiled(config):
+    """A config whose model accelerate wraps in torch.compile (a dynamo_config: the *_compile.yaml)."""
+    return str((load_config(config).get("dynamo_config") or {}).get("dynamo_backend", "NO")).upper() != "NO"
+
+
+def lean_enabled(args):
+    return args.recipe in ("mnist", "gpt") and not args.no_lean
+
+
+def add_single_process_run(args, on_gpu):
+    """The lean loop is single-device: it is compared with the recipe's 1-process run. When --configs has none,
+    add one in front (compiled if any config in the list is). Returns the added configs."""
+    if not lean_enabled(args) or any(single_process(c) for c in args.configs):
+        return []
+    added = "1gpu_compile.yaml" if any(compiled(c) for c in args.configs) else ("1gpu.yaml" if on_gpu else "cpu.yaml")
+    args.configs = [added, *args.configs]
+    return [added]
+
+
+def lean_key(config, on_gpu):
+    """(compiled, device) of the lean loop that a 1-process config is compared with: its compile setting, and the
+    CPU where the config keeps the recipe there (cpu.yaml's use_cpu) or there is no GPU."""
+    return compiled(config), "cpu" if not on_gpu or load_config(config).get("use_cpu") else "cuda"
+
+
+def lean_name(key, on_gpu):
+    compile_it, device = key
+    qualifiers = ["compiled"] * compile_it + ["CPU"] * (on_gpu and device == "cpu")
+    return LEAN + (f" ({', '.join(qualifiers)})" if qualifiers else "")
+
+
+def lean_variants(configs, on_gpu):
+    """Which lean loops to run: one per (compile, device) among the 1-process configs, in the order they come."""
+    keys = [lean_key(c, on_gpu) for c in configs if single_process(c)]
+    return list(dict.fromkeys(keys)) or [(False, "cuda" if on_gpu else "cpu")]
+
+
+def shared_recipe_args(recipe_args):
+    """The flags of --recipe-args that bench/lean_loop.py takes too (they shape the model the same way)."""
+    tokens, kept, i = recipe_args.split(), [], 0
+    while i < len(tokens):
+        flag = tokens[i].split("=", 1)[0]
+        if flag in LEAN_SHARED_FLAGS:
+            width = 0 if "=" in tokens[i] else LEAN_SHARED_FLAGS[flag]
+            kept += tokens[i:i + 1 + width]
+            i += 1 + width
+        else:
+            i += 1
+    return kept
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -106,7 +183,7 @@ def free_port():
 
 def config_launch(config, processes, on_gpu, mixed_precision):
     """accelerate launch arguments and environment that run `config` here with `processes` processes."""
-    cfg = yaml.safe_load(open(CONFIGS / config))
+    cfg = load_config(config)
     args, env = ["--config_file", str(CONFIGS / config), "--main_process_port", str(free_port()),
                  "--mixed_precision", mixed_precision], {}
     if cfg.get("num_processes", 1) > 1:
@@ -135,6 +212,12 @@ def plan_runs(args, processes, on_gpu, data_root):
     else:
         recipe_args = ["--max-steps", str(args.steps), "--epochs", "1000", *common]
     recipe_args += args.recipe_args.split()
+    # The lean loop: the same model, global batch, seed, precision and step count (a few of them untimed warm-up).
+    warmup = min(10, max(1, args.steps // 10))
+    lean_args = [sys.executable, str(REPO / "bench" / "lean_loop.py"), "--recipe", args.recipe,
+                 "--batch-size", str(args.batch_size), "--seed", str(args.seed), "--mixed-precision", args.mixed_precision,
+                 "--warmup-steps", str(warmup), "--steps", str(args.steps - warmup),
+                 *(["--preset", args.preset] if args.recipe == "gpt" else []), *shared_recipe_args(args.recipe_args)]
     runs = []
     for repeat in range(args.repeats):
         if args.recipe == "mnist" and not args.no_baselines:
@@ -147,6 +230,10 @@ def plan_runs(args, processes, on_gpu, data_root):
             launch, env = config_launch(config, processes, on_gpu, args.mixed_precision)
             runs.append((config, repeat, ["accelerate", "launch", *launch, str(REPO / "recipes" / f"{args.recipe}.py"),
                                           *recipe_args], env))
+        if lean_enabled(args):
+            for key in lean_variants(args.configs, on_gpu):
+                runs.append((lean_name(key, on_gpu), repeat,
+                             lean_args + ["--device", key[1]] + ["--compile"] * key[0], {}))
     return runs
 
 
@@ -172,7 +259,9 @@ def measure(name, repeat, cmd, env, out, threads):
     summary = json.loads((run_dir / "summary.json").read_text())
     timing = summary["timing"]
     unit = next(k for k in timing if k.endswith("_per_s"))
-    step_ms = timing["data_ms"] + timing["forward_backward_ms"] + timing["optimizer_ms"] + timing["other_ms"]
+    # The lean loop times its steps as one region (its phases are null) and gives the step time itself.
+    step_ms = timing["step_ms"] if "step_ms" in timing else (
+        timing["data_ms"] + timing["forward_backward_ms"] + timing["optimizer_ms"] + timing["other_ms"])
     return {**result, "engine": summary.get("distributed_type"), "zero_stage": summary.get("deepspeed_stage"),
             "processes": summary["world_size"], "unit": unit, "throughput": timing[unit],
             "startup_s": timing["first_step_at"] - started, "step_ms": step_ms, "data_ms": timing["data_ms"],
@@ -200,7 +289,7 @@ def aggregate(results, target_loss, target_accuracy):
         if not good:
             table.append({"name": name, "failed": runs[0]["failed"], "log": runs[0]["log"]})
             continue
-        med = lambda key: statistics.median(r[key] for r in good)  # noqa: E731
+        med = lambda key: None if good[0][key] is None else statistics.median(r[key] for r in good)  # noqa: E731
         loss_times = [time_to(r["metrics"], "loss", lambda v: v <= target_loss) for r in good]
         acc_times = [time_to(r["evals"], "test_accuracy", lambda v: v >= target_accuracy)
                      or time_to(r["evals"], "val_accuracy", lambda v: v >= target_accuracy) for r in good]
@@ -228,7 +317,36 @@ def paired(results, name, other, key):
     return [run[name] / run[other] for run in rounds.values() if name in run and other in run]
 
 
-def ratios(table, results):
+def recipe_vs_lean(table, results, settings, on_gpu):
+    """recipe throughput / lean-loop throughput, for every 1-process config of the list against the lean loop
+    with the same compile setting: the median over rounds of the ratio within a round, as for the overhead."""
+    by = {row["name"]: row for row in table if "failed" not in row}
+    recipe, batch = settings["recipe"], settings["batch_size"]
+    goal, goal_for = LEAN_GOALS[recipe]
+    out = {}
+    for config in settings["configs"]:
+        lean = lean_name(lean_key(config, on_gpu), on_gpu) if single_process(config) else None
+        if lean not in by or config not in by:
+            continue
+        per_round = paired(results, config, lean, "throughput")
+        value = statistics.median(per_round)
+        # Where the goal is stated: MNIST at batch 512, GPT-124M compiled; both for a GPU.
+        conditions = [("measured on CPU" if not on_gpu else None),
+                      (f"global batch {batch}" if recipe == "mnist" and batch != 512 else None),
+                      (f"preset {settings['preset']}" if recipe == "gpt" and settings["preset"] != "124M" else None),
+                      ("not compiled" if recipe == "gpt" and not compiled(config) else None)]
+        off = [c for c in conditions if c]
+        out[config] = {"value": value, "per_round": per_round, "recipe": config, "lean": lean,
+                       "recipe_throughput": by[config]["throughput"], "lean_throughput": by[lean]["throughput"],
+                       "goal": f">= {goal:.2f}", "goal_for": goal_for, "goal_applies": not off,
+                       "met": (value >= goal) if not off else None, "not_judged_because": off,
+                       "measured_on": "GPU" if on_gpu else "CPU",
+                       "what": f"throughput, recipe under {config} / {lean} (bench/lean_loop.py: same model, global "
+                               f"batch, precision{', torch.compile' if compiled(config) else ''}; one process)"}
+    return out
+
+
+def ratios(table, results, settings=None, on_gpu=False):
     by = {row["name"]: row for row in table if "failed" not in row}
     ddp, course = by.get(DDP), by.get("ddp-by-hand (per-sample ToTensor)")
     out = {}
@@ -244,6 +362,9 @@ def ratios(table, results):
                                   "what": "share of the step spent waiting for data: recipe vs course-style DDP"}
     if ddp:
         out["throughput_vs_ddp"] = {row["name"]: row["throughput"] / ddp["throughput"] for row in by.values()}
+    lean = recipe_vs_lean(table, results, settings, on_gpu) if settings and settings["recipe"] in LEAN_GOALS else {}
+    if lean:
+        out["recipe_vs_lean"] = lean
     return out
 
 
@@ -266,7 +387,7 @@ def write_markdown(path, report):
         opt = "in bwd" if row["optimizer_in_backward"] else fmt(row["optimizer_ms"])
         lines.append(f"| {row['name']} | {row['processes']} | {fmt(row['startup_s'])} | {row['throughput']:.0f} | "
                      f"{fmt(vs.get(row['name']), '{:.2f}')} | {row['step_ms']:.1f} | {row['data_ms']:.1f} | "
-                     f"{row['forward_backward_ms']:.1f} | {opt} | {row['other_ms']:.1f} | {100 * row['data_fraction']:.1f}% | "
+                     f"{fmt(row['forward_backward_ms'])} | {opt} | {row['other_ms']:.1f} | {100 * row['data_fraction']:.1f}% | "
                      f"{' / '.join(f'{m:.0f}' for m in row['peak_memory_mb_per_rank'])} | "
                      f"{fmt(row['time_to_target_loss_s'])} | {fmt(row['time_to_target_accuracy_s'])} |")
     lines.append("")
@@ -280,9 +401,21 @@ def write_markdown(path, report):
                      f"(goal {d['goal']}: {'met' if d['met'] else 'NOT met'})")
     if vs:
         lines.append("3. throughput relative to DDP (" + DDP + "): " + ", ".join(f"{k} {v:.2f}" for k, v in vs.items()))
+    for lean in r.get("recipe_vs_lean", {}).values():
+        verdict = (("met" if lean["met"] else "NOT met") if lean["goal_applies"] else
+                   f"not judged: {', '.join(lean['not_judged_because'])}")
+        lines.append(f"4. {lean['what']}: **{lean['value']:.3f}** ({lean['recipe_throughput']:.0f} / "
+                     f"{lean['lean_throughput']:.0f} {unit}; goal {lean['goal']} for {lean['goal_for']}: {verdict}; "
+                     f"rounds: {', '.join(f'{v:.3f}' for v in lean['per_round'])})")
+    added = s.get("added_for_lean") or []
     lines.append(f"\nPeak memory is {table[0].get('peak_memory_kind', '')} per process. \"in bwd\": under DeepSpeed "
                  "the optimizer step runs inside accelerator.backward() and is counted in fwd+bwd. \"other\": the "
-                 "recipe's per-step bookkeeping (the stop agreement, an all-reduce of one scalar; logging).")
+                 "recipe's per-step bookkeeping (the stop agreement, an all-reduce of one scalar; logging)."
+                 + (" \"lean loop\": bench/lean_loop.py, one process, data already on the device, no host sync; "
+                    "its steps are timed as one region, so fwd+bwd and optimizer are \"-\"." if "recipe_vs_lean" in r
+                    or any(row["name"].startswith(LEAN) for row in table) else "")
+                 + (f" {', '.join(added)}: not in --configs, added as the 1-process run the lean loop is compared "
+                    "with." if added else ""))
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -298,12 +431,15 @@ def write_chart(path, report):
     ax1.set(title="throughput relative to DDP" if vs else "throughput", xlabel="x DDP" if vs else rows[0]["unit"])
     left = [0.0] * len(rows)
     for phase, colour in (("data_ms", "tab:red"), ("forward_backward_ms", "tab:green"), ("optimizer_ms", "tab:orange"),
-                          ("other_ms", "tab:grey")):
-        values = [row[phase] for row in rows]
-        ax2.barh(names, values, left=left, color=colour, label=phase.replace("_ms", "").replace("_", "+"))
+                          ("other_ms", "tab:grey"), ("unsplit_ms", "tab:olive")):
+        # The lean loop times its steps as one region: its whole step is one bar, "unsplit".
+        values = [(row["step_ms"] if row["forward_backward_ms"] is None else 0.0) if phase == "unsplit_ms"
+                  else row[phase] or 0.0 for row in rows]
+        label = "whole step (lean loop)" if phase == "unsplit_ms" else phase.replace("_ms", "").replace("_", "+")
+        ax2.barh(names, values, left=left, color=colour, label=label)
         left = [a + b for a, b in zip(left, values)]
     ax2.set(title="time per step", xlabel="ms")
-    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, fontsize=8)
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5, fontsize=8)
     ax3.barh(names, [max(row["peak_memory_mb_per_rank"]) for row in rows], color="tab:purple")
     ax3.set(title=f"peak memory per process ({rows[0]['peak_memory_kind']})", xlabel="MB")
     for ax in (ax2, ax3):
@@ -332,6 +468,7 @@ def main():
             str(Path(args.data_dir).resolve() / f"synthetic-{args.train_size}-{args.test_size}"),
             args.train_size, args.test_size, seed=0)
     target_loss = args.target_loss if args.target_loss is not None else DEFAULT_TARGET_LOSS[args.recipe]
+    added = add_single_process_run(args, on_gpu)
     runs = plan_runs(args, processes, on_gpu, data_root)
     results = []
     with tqdm(total=len(runs), desc="benchmark", unit="run") as bar:
@@ -342,10 +479,10 @@ def main():
                 tqdm.write(f"{name}: FAILED (exit {results[-1]['exit_code']}), see {results[-1]['log']}")
             bar.update(1)
     table = aggregate(results, target_loss, args.target_accuracy)
-    report = {"date": time.strftime("%Y-%m-%d"), "hardware": hardware(),
-              "settings": {**vars(args),
-                           "target_loss": target_loss, "processes": processes, "threads_per_process": threads},
-              "table": table, "ratios": ratios(table, results),
+    settings = {**vars(args), "added_for_lean": added, "on_gpu": on_gpu,
+                "target_loss": target_loss, "processes": processes, "threads_per_process": threads}
+    report = {"date": time.strftime("%Y-%m-%d"), "hardware": hardware(), "settings": settings,
+              "table": table, "ratios": ratios(table, results, settings, on_gpu),
               "runs": [{k: v for k, v in r.items() if k not in ("metrics", "evals")} for r in results]}
     (out / "results.json").write_text(json.dumps(report, indent=2))
     write_markdown(out / "results.md", report)
