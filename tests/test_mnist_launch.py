@@ -83,11 +83,14 @@ def test_sync_bn_one_process_equals_two(reference):
     two, _ = reference("2gpu.yaml", "--sync-bn")
     assert (one.summary["world_size"], two.summary["world_size"]) == (1, 2)
     assert one.summary["steps"] == two.summary["steps"] == 20
-    assert_same_params(one.params(), two.params())
+    # The same losses step by step; over 20 steps the float sums drift the second BatchNorm's running mean by
+    # up to 1.5e-4 (of 0.64; measured), hence atol 2e-4.
+    assert [m["loss"] for m in two.metrics] == pytest.approx([m["loss"] for m in one.metrics], rel=1e-5)
+    assert_same_params(one.params(), two.params(), atol=2e-4)
     # Without --sync-bn each process normalises its own half batch: the runs differ.
     local_bn, _ = reference("2gpu.yaml")
     with pytest.raises(AssertionError):
-        assert_same_params(one.params(), local_bn.params())
+        assert_same_params(one.params(), local_bn.params(), atol=2e-4)
 
 
 def test_evaluation_is_exact_for_an_odd_test_set(launch):
