@@ -160,13 +160,15 @@ def test_gpu_config_on_cpu_refuses_independent_copies(launch):
     assert "the launcher started 2 processes" in run.output and "ACCELERATE_USE_CPU=1" in run.output
 
 
-def test_no_host_sync_between_progress_lines(launch, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--stop-signals", "", "--stop-check-every", "1")], ids=["default", "no-signals"])
+def test_no_host_sync_between_progress_lines(launch, tmp_path, extra):
     """60 steps of 2-process DDP, a progress line every 20: .item(), .tolist(), .cpu(), cuda.synchronize and
     collectives (counted by the CPU shim per optimizer step) happen at start-up, at the progress lines and
-    at the end only. (With --stop-check-every 1 the same count finds calls at every one of the 60 steps.)"""
+    at the end only. With --stop-signals '' there is nothing to agree on, so even --stop-check-every 1 adds
+    no collective. (With --stop-check-every 1 alone the same count finds calls at every one of the 60 steps.)"""
     counts_dir = tmp_path / "syncs"
     counts_dir.mkdir()
-    launch("2gpu.yaml", "--epochs", "1", "--max-steps", "60", "--batch-size", "32", "--log-every", "20",
+    launch("2gpu.yaml", "--epochs", "1", "--max-steps", "60", "--batch-size", "32", "--log-every", "20", *extra,
            launch_args=FP32, env={"TEST_COUNT_SYNCS": str(counts_dir)})
     for rank in (0, 1):
         counts = json.loads((counts_dir / f"rank{rank}.json").read_text())
