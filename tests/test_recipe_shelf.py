@@ -321,12 +321,14 @@ def test_gpt_under_every_config(shelf, config):
         assert a["step"] == b["step"] and b["loss"] == pytest.approx(a["loss"], rel=tolerance), (config, a, b)
 
 
-def test_gpt_fsdp_activation_checkpointing(shelf):
+def test_gpt_fsdp_activation_checkpointing(shelf, tmp_path):
     """fsdp.yaml with accelerate's --fsdp_activation_checkpointing: each block's activations are recomputed
     in backward (checkpoint wrappers, sharded with their blocks), and the training is the same."""
     plain = shelf("gpt", "fsdp.yaml")
-    checkpointed = shelf("gpt", "fsdp.yaml", launch_args=("--mixed_precision", "no", "--fsdp_activation_checkpointing",
-                                                          "true"))
+    # Its own checkpoint directory: in the matrix run's, --resume auto would start from its last step.
+    checkpointed = shelf("gpt", "fsdp.yaml", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                         launch_args=("--mixed_precision", "no", "--fsdp_activation_checkpointing", "true"))
+    assert checkpointed.summary["resumed_from_step"] is None
     assert checkpointed.summary["fsdp_units"] == 6  # + a CheckpointWrapper around each of the 2 blocks
     assert [m["loss"] for m in checkpointed.metrics] == pytest.approx([m["loss"] for m in plain.metrics], rel=1e-6)
 
