@@ -280,7 +280,7 @@ def main(argv=None):
             if run.step(loss):  # a stop signal, or the last step
                 break
     sample = ""
-    if args.sample_tokens and not run.stopped:
+    if args.sample_tokens and not run.stopping:
         # Uncompiled: every generated length is a new shape, which a compiled model would recompile for.
         plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
         sample = generate(plain, accelerator, args.prompt, args.sample_tokens, args.temperature, args.top_k, block_size)

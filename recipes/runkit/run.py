@@ -66,7 +66,7 @@ class Run:
         self.name, self.args, self.unit = name, args, unit
         self.t_start = time.perf_counter()
         check_gpus_before_start()
-        self.stopper = GracefulStop(args.stop_signals, args.stop_check_every)
+        self.stopper = GracefulStop(args.stop_signals)  # the cadence is run.step's (progress lines, N steps)
         self.stopping = False
         self.tracker = "tensorboard" if args.report_to == "tensorboard" else None  # Accelerator(log_with=...)
 
@@ -126,10 +126,6 @@ class Run:
         self.bar = tqdm(total=total_steps, initial=self.state["step"],
                         disable=not (acc.is_main_process and sys.stdout.isatty()))
         self.train_start = time.perf_counter()
-
-    @property
-    def step_count(self):
-        return self.state["step"]
 
     def _train_time(self):
         return self.state["train_time"] + time.perf_counter() - self.train_start
@@ -234,10 +230,6 @@ class Run:
 
     # ---- the end ----------------------------------------------------------------------------------
 
-    @property
-    def stopped(self):
-        return self.stopping
-
     def finish(self, model, exclude=(), **summary):
         """Collective. After a stop: the message and exit code 75 (1 without checkpoints). Otherwise the
         final evaluation if the last one is stale, model.safetensors (ZeRO-3 and FSDP shards gathered),
@@ -248,7 +240,7 @@ class Run:
         self.bar.close()
         if self.stopping:
             code = stopped(acc, self.stopper, s["step"], args.checkpoint_dir)
-            self._end()
+            finish(acc)
             return code
         self.stopper.ignore_from_now()
         if self.evaluate_fn and (s["last_eval"] is None or s["last_eval"]["step"] != s["step"]):
@@ -260,8 +252,9 @@ class Run:
             out = args.output_dir
             # torch.compile (a *_compile.yaml) prefixes every key with _orig_mod.: export the model's own names.
             # fp32 from every config: DeepSpeed's bf16 engines would otherwise export bf16, DDP and FSDP fp32.
-            weights = {k.replace("_orig_mod.", ""): (v.float() if v.is_floating_point() else v).contiguous().cpu()
-                       for k, v in state_dict.items() if k.replace("_orig_mod.", "") not in exclude}
+            named = ((k.replace("_orig_mod.", ""), v) for k, v in state_dict.items())
+            weights = {k: (v.float() if v.is_floating_point() else v).contiguous().cpu()
+                       for k, v in named if k not in exclude}
             save_file(weights, os.path.join(out, "model.safetensors"))
             this_run = s["step"] - (self.resumed_from or 0)
             rate = this_run * self.samples_per_micro * self.grad_accum / max(train_time - self._resumed_time, 1e-9)
@@ -285,11 +278,8 @@ class Run:
                 "wall_time_s": time.perf_counter() - self.t_start, "args": vars(args)})
             self.print("results: " + ", ".join(os.path.join(out, name) for name in (
                 "summary.json", "metrics.jsonl", "eval.jsonl", "model.safetensors") if os.path.exists(os.path.join(out, name))))
-        self._end()
+        finish(acc)
         return 0
-
-    def _end(self):
-        finish(self.accelerator)
 
 
 def _shown(key, value):
