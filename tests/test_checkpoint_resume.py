@@ -8,13 +8,15 @@ bit for bit where the reference ended, having seen the same samples on every ran
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FP32, REPO, TEST_SIZE, TRAINING
+from conftest import FP32, REPO, TEST_SIZE, TRAINING, free_port, launch_command
 
 pytestmark = pytest.mark.slow
 
@@ -125,6 +127,46 @@ def test_resume_refusals(launch, reference, tmp_path):
     run = launch("2gpu.yaml", *TRAINING, "--batch-size", "100", "--resume", str(ddp_ckpt / MID_EPOCH),
                  launch_args=FP32, check=False)
     assert run.returncode == 1 and "batch_size 200 vs 100" in run.output, run.output[-2000:]
+    # --resume none into a directory that holds checkpoints would rotate them away: refused, nothing touched.
+    work = tmp_path / "ckpt"
+    shutil.copytree(ddp_ckpt, work)
+    run = launch("cpu.yaml", *TRAINING, "--checkpoint-dir", str(work), "--resume", "none", launch_args=FP32,
+                 check=False)
+    assert run.returncode == 1 and "--resume none, but --checkpoint-dir" in run.output, run.output[-2000:]
+    assert "step-00000020 the newest" in run.output
+    assert sorted(os.listdir(work)) == sorted(os.listdir(ddp_ckpt))
+    assert not (run.out_dir / "metrics.jsonl").exists()
+    # A --resume path that does not exist says so (not "the save never finished").
+    run = launch("cpu.yaml", *TRAINING, "--resume", str(tmp_path / "step-00000099"), launch_args=FP32, check=False)
+    assert run.returncode == 1 and "step-00000099: no such directory" in run.output, run.output[-2000:]
+
+
+def test_checkpoint_dir_that_nodes_do_not_share_is_refused(data_dir, tmp_path):
+    """Two 'nodes' on this machine (two launchers, --num_machines 2), each in its own working directory, given
+    the same relative --checkpoint-dir: each writes its own disk, as node-local storage would. The first save
+    must fail with the shared-storage message, on both nodes, and leave no checkpoint that looks complete."""
+    port, nodes = free_port(), []
+    for rank in (0, 1):
+        cwd = tmp_path / f"node{rank}"
+        cwd.mkdir()
+        cmd, env = launch_command("multinode.yaml", data_dir, cwd / "out", *TRAINING, "--checkpoint-dir", "ckpt",
+                                  launch_args=FP32, recipe=str(REPO / "recipes" / "mnist.py"))
+        cmd[cmd.index("--machine_rank") + 1] = str(rank)
+        cmd[cmd.index("--num_machines") + 1] = "2"
+        cmd[cmd.index("--main_process_port") + 1] = str(port)
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
+        nodes.append(subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert [node.returncode for node in nodes] == [1, 1], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "ranks [1] wrote their part of the checkpoint somewhere the main process cannot see" in outputs[0]
+    for rank in (0, 1):
+        assert not [p for p in (tmp_path / f"node{rank}" / "ckpt").iterdir() if p.name.startswith("step-")]
 
 
 def test_corrupt_and_unfinished_checkpoints(launch, reference, tmp_path):

@@ -40,8 +40,8 @@ def add_checkpoint_args(parser):
                             "each epoch and when stopped by a signal)")
     group.add_argument("--keep-last", type=int, default=2, help="complete checkpoints to keep (0: keep all)")
     group.add_argument("--resume", default="auto",
-                       help="auto: newest complete checkpoint in --checkpoint-dir, if any; none: start fresh; "
-                            "or the path of one checkpoint")
+                       help="auto: newest complete checkpoint in --checkpoint-dir, if any; none: start fresh "
+                            "(refused when --checkpoint-dir already holds checkpoints); or the path of one checkpoint")
     add_stop_args(group)
 
 
@@ -166,8 +166,8 @@ class Checkpointer:
         """Collective. Load the checkpoint `spec` names and return its training state, or None to start fresh."""
         acc = self.accelerator
         result = (None, None)
-        if acc.is_main_process and spec != "none":
-            result = self._choose(spec)
+        if acc.is_main_process:
+            result = self._refuse_fresh_start() if spec == "none" else self._choose(spec)
         path, manifest = self._agree(result) or (None, None)
         if path is None:
             return None
@@ -187,7 +187,7 @@ class Checkpointer:
                     f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items())
         if problem:
             self._agree((None, f"cannot resume from {path}: {problem}. Use the original settings, or start "
-                               f"fresh with --resume none or another --checkpoint-dir."))
+                               f"fresh with another --checkpoint-dir."))
         acc.load_state(path)
         self.last_saved_step = manifest["step"]
         if acc.is_main_process:
@@ -195,9 +195,22 @@ class Checkpointer:
                   flush=True)
         return manifest["train_state"]
 
+    def _refuse_fresh_start(self):
+        """Main process: --resume none into a directory that holds checkpoints would rotate them away."""
+        held = [os.path.basename(p) for _, p in self._complete()] if self.directory else []
+        if not held:
+            return None, None
+        return None, (f"--resume none, but --checkpoint-dir {self.directory} already holds {len(held)} "
+                      f"checkpoint(s) ({held[-1]} the newest); starting fresh there would rotate them away. "
+                      f"To start fresh, give another --checkpoint-dir (or remove that one); to continue, "
+                      f"use --resume auto.")
+
     def _choose(self, spec):
         """Main process: ((path, manifest), None) or (None, error message)."""
         if spec != "auto":
+            if not os.path.isdir(spec):
+                return None, (f"--resume {spec}: no such directory. Give the path of a step-* checkpoint "
+                              f"directory, or --resume auto for the newest complete one in --checkpoint-dir.")
             try:
                 return (spec, verify(spec)), None
             except ValueError as exc:
