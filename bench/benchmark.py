@@ -181,11 +181,20 @@ def free_port():
         return s.getsockname()[1]
 
 
-def config_launch(config, processes, on_gpu, mixed_precision):
+def config_launch(config, processes, on_gpu, mixed_precision, out):
     """accelerate launch arguments and environment that run `config` here with `processes` processes."""
     cfg = load_config(config)
     args, env = ["--config_file", str(CONFIGS / config), "--main_process_port", str(free_port()),
                  "--mixed_precision", mixed_precision], {}
+    ds_file = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if ds_file:  # with a DeepSpeed JSON only the JSON sets the dtype: a copy in the precision asked for
+        ds = json.loads((REPO / ds_file).read_text())
+        for dtype in ("bf16", "fp16"):
+            ds[dtype] = {"enabled": mixed_precision == dtype}
+        copy = Path(out) / f"{Path(ds_file).stem}.{mixed_precision}.json"
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(json.dumps(ds, indent=1))
+        args += ["--deepspeed_config_file", str(copy)]
     if cfg.get("num_processes", 1) > 1:
         args += ["--num_processes", str(processes)]
     if cfg.get("num_machines", 1) > 1:  # one machine here
@@ -227,7 +236,7 @@ def plan_runs(args, processes, on_gpu, data_root):
                                             "--pipeline", pipeline, "--max-steps", str(args.steps),
                                             "--epochs", str(epochs), *common], {}))
         for config in args.configs:
-            launch, env = config_launch(config, processes, on_gpu, args.mixed_precision)
+            launch, env = config_launch(config, processes, on_gpu, args.mixed_precision, args.out)
             runs.append((config, repeat, ["accelerate", "launch", *launch, str(REPO / "recipes" / f"{args.recipe}.py"),
                                           *recipe_args], env))
         if lean_enabled(args):
@@ -410,7 +419,7 @@ def write_markdown(path, report):
     added = s.get("added_for_lean") or []
     lines.append(f"\nPeak memory is {table[0].get('peak_memory_kind', '')} per process. \"in bwd\": under DeepSpeed "
                  "the optimizer step runs inside accelerator.backward() and is counted in fwd+bwd. \"other\": the "
-                 "recipe's per-step bookkeeping (the stop agreement, an all-reduce of one scalar; logging)."
+                 "recipe's per-step bookkeeping (logging; the stop agreement rides on the progress lines)."
                  + (" \"lean loop\": bench/lean_loop.py, one process, data already on the device, no host sync; "
                     "its steps are timed as one region, so fwd+bwd and optimizer are \"-\"." if "recipe_vs_lean" in r
                     or any(row["name"].startswith(LEAN) for row in table) else "")
