@@ -77,12 +77,27 @@ def _sync_batchnorm_on_cpu():
 DEEPSPEED_CPU_OPS = {"deepspeed_shm_comm": 40, "cpu_adam": 110}
 
 
+def _optimizer_offload():
+    """Where the launch puts DeepSpeed's optimizer: from the YAML's key, or from the DeepSpeed JSON it names."""
+    device = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if device is None and config_file != "none":
+        import json
+        try:
+            with open(config_file) as f:
+                zero = json.load(f).get("zero_optimization", {})
+        except (OSError, ValueError, AttributeError):
+            return "none"  # accelerate itself reports an unreadable JSON
+        device = (zero.get("offload_optimizer") or {}).get("device")
+    return device or "none"
+
+
 def deepspeed_ops_to_build(torch):
     """The DeepSpeed CPU ops this worker is about to compile: not yet in torch's extension cache."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return []
     ops = ["deepspeed_shm_comm"]  # built when DeepSpeed sets up its process group, inside Accelerator()
-    if os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none") == "cpu":
+    if _optimizer_offload() == "cpu":
         ops.append("cpu_adam")  # built inside prepare() for the offloaded optimizer
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not root:  # torch.utils.cpp_extension's default, without importing it (it warns about CUDA)

@@ -38,8 +38,10 @@ HIDDEN_SIZE_KEYS = {  # accelerate fills these from model.config.hidden_size whe
 }
 STAGE3_YAML_KEYS = {"offload_param_device": ("none", None), "zero3_init_flag": (False, None),
                     "zero3_save_16bit_model": (False, None)}
+# accelerate's own list (DeepSpeedPlugin._deepspeed_config_checks); zero3_init_flag is accelerate's, not DeepSpeed's,
+# and stays in the YAML.
 FILE_EXCLUSIVE_YAML_KEYS = ("zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps",
-                            "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model", "offload_optimizer_nvme_path",
+                            "gradient_clipping", "zero3_save_16bit_model", "offload_optimizer_nvme_path",
                             "offload_param_nvme_path")
 
 

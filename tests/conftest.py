@@ -79,9 +79,29 @@ def cpu_route(config_name):
     return args, env
 
 
+def deepspeed_precision(config, launch_args, out_dir):
+    """With a DeepSpeed JSON only the JSON sets the dtype, and accelerate ignores --mixed_precision: a run
+    asked for in fp32 gets a copy of the config's JSON with bf16/fp16 off (nothing else changed)."""
+    launch_args = list(launch_args)
+    try:
+        name = (load_yaml(config).get("deepspeed_config") or {}).get("deepspeed_config_file")
+    except (yaml.YAMLError, FileNotFoundError, AttributeError):
+        return []
+    if not name or "--mixed_precision" not in launch_args:
+        return []
+    precision = launch_args[launch_args.index("--mixed_precision") + 1]
+    ds = json.loads((REPO / name).read_text())
+    for dtype in ("bf16", "fp16"):
+        ds[dtype] = {"enabled": precision == dtype}
+    path = out_dir.parent / f"{out_dir.name}.{precision}.json"
+    path.write_text(json.dumps(ds))
+    return ["--deepspeed_config_file", str(path)]
+
+
 def launch_command(config, data_dir, out_dir, *recipe_args, launch_args=(), recipe="recipes/mnist.py"):
     """(command, environment) of an `accelerate launch` of `recipe` under `config` on this machine."""
     route_args, route_env = cpu_route(config)
+    route_args += deepspeed_precision(config, launch_args, Path(out_dir))
     data = ["--data-dir", str(data_dir)] if recipe.endswith("mnist.py") else []
     cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), *route_args, *launch_args,
            recipe, *data, "--output-dir", str(out_dir), *(DATA_ARGS if data else []), *recipe_args]

@@ -1,6 +1,7 @@
 """Quick checks: configs parse with accelerate's own loader, are commented, and recipes keep the contract."""
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -32,8 +33,21 @@ def test_config_parses_with_accelerates_loader(config):
     assert "auto" not in map(str, ds.values())
     if raw["distributed_type"] == "FSDP":
         assert raw["fsdp_config"]["fsdp_version"] == 2
-    if "zero3" in config:
-        assert ds["zero_stage"] == 3 and ds["zero3_save_16bit_model"] is True
+    if raw["distributed_type"] == "DEEPSPEED":
+        # Every DeepSpeed setting in one JSON next to the YAML (accelerate refuses a mix of the two).
+        assert set(ds) <= {"deepspeed_config_file", "zero3_init_flag"} and "mixed_precision" not in raw
+        js = json.loads((REPO / ds["deepspeed_config_file"]).read_text())
+        assert not {"optimizer", "scheduler"} & set(js), "DeepSpeed optimizer block breaks the recipe contract"
+        # 'auto' only where accelerate fills it from the recipe (batch, accumulation, clipping), never from
+        # a transformer's hidden_size, which a CNN lacks.
+        assert {k for k, v in js.items() if v == "auto"} <= {"train_batch_size", "train_micro_batch_size_per_gpu",
+                                                           "gradient_accumulation_steps", "gradient_clipping"}
+        assert "auto" not in map(str, js["zero_optimization"].values())
+        zero = js["zero_optimization"]
+        assert zero["stage"] == int(re.search(r"zero(\d)", config).group(1))
+        assert js["communication_data_type"] == "fp32" and zero["overlap_comm"] is True
+        if zero["stage"] == 3:
+            assert zero["stage3_gather_16bit_weights_on_model_save"] is True
 
 
 @pytest.mark.parametrize("config", CONFIG_FILES)

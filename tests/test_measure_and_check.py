@@ -270,7 +270,7 @@ def test_benchmark_smoke_writes_the_report(tmp_path):
     assert "benchmark: 100%" in output  # the tqdm bar
 
 
-def test_benchmark_plans_the_lean_loop_beside_a_1_process_run():
+def test_benchmark_plans_the_lean_loop_beside_a_1_process_run(tmp_path):
     """Which lean loops run, with which flags, against which 1-process config (planning only: nothing is launched)."""
     import argparse
     sys.path.insert(0, str(REPO / "bench"))
@@ -279,7 +279,7 @@ def test_benchmark_plans_the_lean_loop_beside_a_1_process_run():
     def plan(configs, on_gpu, recipe="gpt", recipe_args="", no_lean=False):
         args = argparse.Namespace(recipe=recipe, configs=list(configs), no_lean=no_lean, no_baselines=True, steps=30,
                                   batch_size=16, seed=3, mixed_precision="bf16", preset="tiny", repeats=2, log_every=5,
-                                  recipe_args=recipe_args)
+                                  recipe_args=recipe_args, out=str(tmp_path))
         added = benchmark.add_single_process_run(args, on_gpu)
         runs = benchmark.plan_runs(args, 2, on_gpu, None)
         return added, args.configs, [(name, cmd) for name, repeat, cmd, env in runs if repeat == 0]

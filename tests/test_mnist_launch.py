@@ -65,9 +65,25 @@ def test_config_really_trains(launch, reference, config):
     # model.safetensors is fp32 from every config (DeepSpeed's bf16 engines once exported bf16 weights).
     assert shipped["exported_dtype"] == "float32"
     assert {v.dtype for v in smoke.params().values() if v.is_floating_point()} == {torch.float32}
-    assert shipped["mixed_precision"] == load_yaml(config).get("mixed_precision", "no")
+    assert shipped["mixed_precision"] == shipped_precision(config)
+    assert s["mixed_precision"] == "no"  # the reference ran fp32, a DeepSpeed JSON included
+    # Gradients are summed across processes in fp32 under every engine (DDP's fp32 gradients; the DeepSpeed
+    # JSONs' communication_data_type; FSDP2's reduce_dtype set by runkit), and ZeRO-1/2 overlap that with
+    # the backward pass: read from the engines that ran (docs/configs.md, "Gradient reduction").
+    assert shipped["grad_reduce_dtype"] == (None if world == 1 else "float32"), shipped
+    assert shipped["overlap_comm"] == (True if dist_type == "DEEPSPEED" else None), shipped
     assert (shipped["distributed_type"], shipped["steps"]) == (dist_type, 2)
     assert all(math.isfinite(x) for x in (shipped["first_loss"], shipped["final_loss"], shipped["test_loss"]))
+
+
+def shipped_precision(config):
+    """The dtype a config asks for: its YAML's mixed_precision, or with a DeepSpeed JSON, the JSON's."""
+    cfg = load_yaml(config)
+    ds_file = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if ds_file:
+        ds = json.loads((CONFIG_DIR.parent / ds_file).read_text())
+        return next((d for d in ("bf16", "fp16") if ds.get(d, {}).get("enabled") is True), "no")
+    return cfg.get("mixed_precision", "no")
 
 
 def assert_same_params(a, b, atol=5e-5, rtol=1e-4):
@@ -199,10 +215,12 @@ def test_deepspeed_config_without_its_cpu_route_is_refused(launch):
 
 
 def test_deepspeed_config_may_not_contradict_the_flags(launch, tmp_path):
-    cfg = (CONFIG_DIR / "deepspeed_zero2.yaml").read_text().replace(
-        "  zero_stage: 2", "  gradient_accumulation_steps: 4  # contradicts --grad-accum\n  zero_stage: 2")
+    ds = json.loads((CONFIG_DIR / "deepspeed_zero2.json").read_text())
+    ds["gradient_accumulation_steps"] = 4  # contradicts --grad-accum
+    (tmp_path / "zero2_gas4.json").write_text(json.dumps(ds))
     bad = tmp_path / "zero2_gas4.yaml"
-    bad.write_text(cfg)
+    bad.write_text((CONFIG_DIR / "deepspeed_zero2.yaml").read_text().replace(
+        "accelerate_configs/deepspeed_zero2.json", str(tmp_path / "zero2_gas4.json")))
     run = launch(str(bad), *SHORT, launch_args=FP32, check=False)
     assert run.returncode != 0
     assert "gradient_accumulation_steps=4" in run.output and "remove those keys" in run.output

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import DATA_ARGS, EXPECTED, REPO, TRAINING, Run, cpu_route, recipe_processes, skip_unless_ci
 from test_checkpoint_resume import assert_identical_params, assert_same_steps
@@ -83,7 +84,7 @@ def test_per_gpu_mode_sets_the_ranks_slurm_gave(rank):
     assert cmd[1:] == [RECIPE]
     assert (extra["RANK"], extra["LOCAL_RANK"], extra["WORLD_SIZE"]) == (str(rank), str(rank), "2")
     assert extra["MASTER_ADDR"] == "node1" and extra["ACCELERATE_USE_DEEPSPEED"] == "true"
-    assert extra["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2"
+    assert extra["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == "accelerate_configs/deepspeed_zero2.json"
 
 
 def test_port_override_and_job_ids_differ():
@@ -454,6 +455,13 @@ def fp32_config(tmp_path, name="2gpu.yaml"):
     """A shipped config in fp32, as the reference runs: exact comparisons, and bf16 on a CPU is 7x slower."""
     config = tmp_path / name.replace(".yaml", "_fp32.yaml")
     text = (REPO / "accelerate_configs" / name).read_text()
+    ds_file = (yaml.safe_load(text).get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if ds_file:  # with a DeepSpeed JSON only the JSON sets the dtype
+        ds = json.loads((REPO / ds_file).read_text())
+        ds["bf16"] = {"enabled": False}
+        (tmp_path / "fp32.json").write_text(json.dumps(ds))
+        config.write_text(text.replace(ds_file, str(tmp_path / "fp32.json")))
+        return config
     assert "mixed_precision: bf16" in text
     config.write_text(text.replace("mixed_precision: bf16", "mixed_precision: 'no'"))
     return config

@@ -4,10 +4,12 @@ Owns:
   * fail / main_print: one message from the main process, the same non-zero exit on every rank;
   * check_launch / check_batch: no rank trains alone, the global batch splits evenly;
   * engine: the distributed type, ZeRO stage and offload that really run;
+  * gradient reduction: fp32 under FSDP like DDP and the DeepSpeed JSONs, and what really runs;
   * the DeepSpeed quirks: clipping that follows the recipe's flag, flags that win over the config,
     the optimizer offload silently swaps in, bf16 buffers for BatchNorm.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -120,6 +122,36 @@ def deepspeed_clip_like(accelerator, max_grad_norm):
     ds = deepspeed_config(accelerator)
     if ds and ds.get("gradient_clipping", "auto") == "auto":
         ds["gradient_clipping"] = float(max_grad_norm)
+
+
+def fsdp_reduce_in_fp32(accelerator):
+    """Call before prepare(). accelerate's FSDP2 policy reduces gradients in the compute dtype (bf16), while
+    DDP reduces fp32 gradients and the DeepSpeed JSONs say communication_data_type fp32: sum the shards' gradients
+    in fp32 under FSDP too (each bf16 reduction rounds to 8 bits; at 2 bytes more per gradient element on
+    the wire). accelerate's YAML has no key for this (docs/configs.md, 'Gradient reduction')."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    plugin = accelerator.state.fsdp_plugin
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if policy is not None and getattr(policy, "param_dtype", None) in (torch.bfloat16, torch.float16):
+        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
+
+
+def gradient_sync(accelerator, model):
+    """After prepare(): the dtype gradients are summed across processes in, and (DeepSpeed) whether that
+    overlaps with the backward pass, read from the engine that runs, for the summary."""
+    if accelerator.num_processes == 1:
+        return {"grad_reduce_dtype": None, "overlap_comm": None}
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return {"grad_reduce_dtype": str(model.communication_data_type).replace("torch.", ""),
+                "overlap_comm": bool(getattr(model.optimizer, "overlap_comm", model.zero_overlap_comm()))}
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.fsdp import FSDPModule
+        unit = next(m for m in model.modules() if isinstance(m, FSDPModule))
+        policy = unit._get_fsdp_state()._mp_policy
+        dtype = policy.reduce_dtype or policy.param_dtype or next(model.parameters()).dtype
+        return {"grad_reduce_dtype": str(dtype).replace("torch.", ""), "overlap_comm": None}
+    return {"grad_reduce_dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "overlap_comm": None}
 
 
 def refuse_optimizer_offload(accelerator, why, instead):

@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 from .checkpoints import Checkpointer, add_checkpoint_args
 from .checks import (cast_buffers_for_half_precision, check_batch, check_gpus_before_start, check_deepspeed_flags, check_launch,
-                     deepspeed_clip_like, engine, fail, finish, implementation, innermost_optimizer, main_print,
-                     refuse_optimizer_offload, stepping_optimizer)
+                     deepspeed_clip_like, engine, fail, finish, fsdp_reduce_in_fp32, gradient_sync, implementation,
+                     innermost_optimizer, main_print, refuse_optimizer_offload, stepping_optimizer)
 from .reporting import (MetricsLog, StepProfiler, add_observability_args, footprint, plot_curves, start_tracking,
                         write_summary)
 from .stopping import GracefulStop, stopped
@@ -83,6 +83,7 @@ class Run:
         self.grad_accum = getattr(args, "grad_accum", 1)
         check_batch(accelerator, args.batch_size, self.grad_accum, getattr(args, "eval_batch_size", None))
         deepspeed_clip_like(accelerator, getattr(args, "max_grad_norm", 0.0))
+        fsdp_reduce_in_fp32(accelerator)
         self.engine = engine(accelerator)
 
     def fail(self, message):
@@ -101,6 +102,7 @@ class Run:
         self.optimizer, self.optimizer_name = optimizer, stepping_optimizer(optimizer, scheduler)
         self.optimizer_impl = implementation(innermost_optimizer(optimizer))
         cast_buffers_for_half_precision(acc, model)
+        self.engine.update(gradient_sync(acc, model))
         self.steps_per_epoch, self.total_steps, self.epoch_count = steps_per_epoch, total_steps, epochs
         self.samples_per_micro, self.flops_per_unit = samples_per_micro, flops_per_unit
         self.evaluate_fn, self.eval_every = evaluate, eval_every
