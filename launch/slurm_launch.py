@@ -101,6 +101,21 @@ def tasks_per_node(env):
     return counts.pop()
 
 
+def threads_per_process(env, processes_here):
+    """CPU threads for each training process of this task: the cores Slurm gave the task, shared evenly.
+    torch's launcher sets OMP_NUM_THREADS=1 when it is unset, which leaves DeepSpeed's CPU Adam (optimizer
+    offload: OpenMP) on one core. An OMP_NUM_THREADS set by the user wins."""
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        return int(env["OMP_NUM_THREADS"])
+    if env.get("SLURM_CPUS_PER_TASK", "").isdigit():  # sbatch --cpus-per-task
+        cpus = int(env["SLURM_CPUS_PER_TASK"])
+    elif env.get("SLURM_CPUS_ON_NODE", "").isdigit():  # the job's cores on this node, shared by its tasks here
+        cpus = int(env["SLURM_CPUS_ON_NODE"]) // max(tasks_per_node(env), 1)
+    else:
+        return 1
+    return max(cpus // max(processes_here, 1), 1)
+
+
 def job_port(env, override):
     """A rendezvous port derived from the job id, so two jobs on one node never collide."""
     if override:
@@ -157,7 +172,8 @@ def plan(args, env, resolve=True):
                "--num_machines", str(nodes), "--machine_rank", str(node_rank),
                "--num_processes", str(nodes * per_node),
                "--main_process_ip", main_host, "--main_process_port", str(port),
-               "--rdzv_backend", "static", "--same_network"]
+               "--rdzv_backend", "static", "--same_network",
+               "--num_cpu_threads_per_process", str(threads_per_process(env, per_node))]
         if distributed_type == "DEEPSPEED":
             cmd += ["--deepspeed_multinode_launcher", "standard"]  # torchrun on every node, no pdsh/ssh
         return cmd + [args.recipe, *args.recipe_args], {}
@@ -169,7 +185,8 @@ def plan(args, env, resolve=True):
     world = int(require(env, "SLURM_NTASKS"))
     ranks = {"RANK": require(env, "SLURM_PROCID"), "LOCAL_RANK": require(env, "SLURM_LOCALID"),
              "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(ntasks_node), "GROUP_RANK": str(node_rank),
-             "MASTER_ADDR": main_host, "MASTER_PORT": str(port)}
+             "MASTER_ADDR": main_host, "MASTER_PORT": str(port),
+             "OMP_NUM_THREADS": str(threads_per_process(env, 1))}
     return [sys.executable, args.recipe, *args.recipe_args], {**accelerate_env(args.config, nodes, world), **ranks}
 
 

@@ -18,7 +18,7 @@ README_MAX_LINES = 260
 SUMMARY_KEYS = [
     # identity
     "recipe", "distributed_type", "world_size", "mixed_precision", "deepspeed_stage", "offload_optimizer",
-    "optimizer", "data_source",
+    "optimizer", "data_source", "grad_reduce_dtype", "overlap_comm",
     # progress, losses, evaluation
     "steps", "epochs", "resumed_from_step", "first_loss", "final_loss",
     "test_loss", "test_accuracy", "test_samples", "val_accuracy", "val_images", "val_loss",

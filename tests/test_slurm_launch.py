@@ -66,6 +66,22 @@ def test_one_node_step():
     assert cmd[-3:] == [RECIPE, "--epochs", "2"] and extra == {}
 
 
+def test_each_process_gets_its_share_of_the_cores():
+    """torch's launcher would set OMP_NUM_THREADS=1 and leave DeepSpeed's CPU Adam (offload) on one core."""
+    env = captured("step_1node_1task")  # 2 GPUs on the node
+    assert env["SLURM_CPUS_ON_NODE"] == "1"  # the test cluster's node: 1 core for 2 processes, still 1 each
+    assert flag(plan([CONFIG, RECIPE], env)[0], "--num_cpu_threads_per_process") == "1"
+    for extra_env, threads in [({"SLURM_CPUS_ON_NODE": "32"}, "16"), ({"SLURM_CPUS_PER_TASK": "12"}, "6"),
+                               ({"SLURM_CPUS_ON_NODE": "32", "OMP_NUM_THREADS": "3"}, "3"),
+                               ({"SLURM_CPUS_ON_NODE": "1"}, "1")]:
+        cmd, _ = plan(["accelerate_configs/deepspeed_zero3_offload.yaml", "recipes/gpt.py"], {**env, **extra_env})
+        assert flag(cmd, "--num_cpu_threads_per_process") == threads, extra_env
+    # per-gpu: the task is one process; 2 tasks share the node's 32 cores.
+    per_gpu = captured("step_1node_2tasks_rank0")
+    _, extra = plan(["--mode", "per-gpu", CONFIG, RECIPE], {**per_gpu, "SLURM_CPUS_ON_NODE": "32"})
+    assert extra["OMP_NUM_THREADS"] == "16"
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_two_node_step_ranks_come_from_each_task(rank):
     env = captured(f"step_2nodes_rank{rank}")
