@@ -29,6 +29,7 @@ turns the recipes' "stopped" marker back into exit code 75 for the sbatch script
 import argparse
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -68,10 +69,21 @@ def first_host(nodelist, scontrol="scontrol"):
             out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
                                  timeout=20)
             if out.returncode == 0 and out.stdout.split():
-                return out.stdout.split()[0]
+                return valid_host(out.stdout.split()[0])
         except (OSError, subprocess.TimeoutExpired):
             pass
-    return expand_hostlist(nodelist)[0]
+    return valid_host(expand_hostlist(nodelist)[0])
+
+
+HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+def valid_host(host):
+    """A host name every rank will be told to connect to: letters, digits, '-' and '.', nothing a shell splits."""
+    if not HOSTNAME.match(host):
+        raise LaunchError(f"the job's first host {host!r} is not a valid host name (RFC 1123: letters, digits, '-', "
+                          f"'.'); check SLURM_JOB_NODELIST")
+    return host
 
 
 def count_gpus(env):
@@ -231,13 +243,13 @@ def main(argv=None):
         print(f"slurm_launch: error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        prefix = "".join(f"{k}={v} " for k, v in sorted(extra_env.items()))
+        prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(extra_env.items()))
         print(f"[node {os.environ.get('SLURM_NODEID')} task {os.environ.get('SLURM_PROCID')}] {prefix}"
-              + " ".join(cmd), flush=True)
+              + shlex.join(cmd), flush=True)
         return 0
     # One line per task in the job log: which host ran what (the test of the templates reads it).
     print(f"slurm_launch: {socket.gethostname()} node {os.environ.get('SLURM_NODEID')} task "
-          f"{os.environ.get('SLURM_PROCID')}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+          f"{os.environ.get('SLURM_PROCID')}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     if args.mode == "per-gpu":  # exec: Slurm's signals and exit status go straight to the recipe
         os.execvpe(cmd[0], cmd, {**os.environ, **extra_env})

@@ -105,6 +105,13 @@ def test_unknown_recipe_flag_is_a_clear_error(recipe):
     assert "unrecognized arguments: --bogus-flag" in result.stderr
 
 
+def test_negative_checkpoint_counts_are_refused_by_argparse():
+    result = subprocess.run([sys.executable, "recipes/mnist.py", "--keep-last", "-1", "--checkpoint-every", "x"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "argument --keep-last: '-1': give a whole number, 0 or more" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.name)
 def test_recipe_docstring_gives_commands_and_results(recipe):
     doc = ast.get_docstring(ast.parse(recipe.read_text()))

@@ -158,6 +158,8 @@ def test_first_host_asks_scontrol_and_falls_back(tmp_path):
     ({"SLURM_STEP_ID": None, "SLURM_STEPID": None}, "run inside a job step"),
     ({"SLURM_NODEID": None}, "SLURM_NODEID is not set"),
     ({"SLURM_STEP_NODELIST": "node[1-", "SLURM_JOB_NODELIST": "node[1-"}, "cannot parse the Slurm node list"),
+    ({"SLURM_STEP_NODELIST": "node 1,node2", "SLURM_JOB_NODELIST": "node 1,node2"},
+     "the job's first host 'node 1' is not a valid host name"),
     ({"SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_TASKS_PER_NODE": "2"}, "mode per-node needs one task per node"),
     ({"SLURM_GPUS_ON_NODE": "0", "SLURM_STEP_GPUS": None, "SLURM_JOB_GPUS": None, "CUDA_VISIBLE_DEVICES": None},
      "GPU config (MULTI_GPU) but Slurm gave this task no GPU"),

@@ -16,6 +16,7 @@ and the main process has recorded the checksums, so a kill at any moment leaves 
 the old set of checkpoints or the old set plus one complete new one.
 """
 
+import argparse
 import hashlib
 import json
 import os
@@ -31,14 +32,25 @@ MANIFEST = "checkpoint.json"
 NAME = re.compile(r"^step-(\d{8})$")
 
 
+def count(text):
+    """argparse type: a whole number >= 0 (a negative --keep-last would slice the checkpoint list backwards)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 0 or more")
+    return value
+
+
 def add_checkpoint_args(parser):
     group = parser.add_argument_group("checkpoints and stopping (docs/checkpoints.md)")
     group.add_argument("--checkpoint-dir", default=None,
                        help="save checkpoints here (must be storage every node sees); off when not given")
-    group.add_argument("--checkpoint-every", type=int, default=0,
+    group.add_argument("--checkpoint-every", type=count, default=0,
                        help="also save every N optimizer steps (a checkpoint is always saved at the end of "
                             "each epoch and when stopped by a signal)")
-    group.add_argument("--keep-last", type=int, default=2, help="complete checkpoints to keep (0: keep all)")
+    group.add_argument("--keep-last", type=count, default=2, help="complete checkpoints to keep (0: keep all)")
     group.add_argument("--resume", default="auto",
                        help="auto: newest complete checkpoint in --checkpoint-dir, if any; none: start fresh "
                             "(refused when --checkpoint-dir already holds checkpoints); or the path of one checkpoint")
@@ -151,8 +163,6 @@ class Checkpointer:
                 shutil.rmtree(final, ignore_errors=True)  # an older save of this very step (a rerun)
                 os.replace(tmp, final)  # the moment the checkpoint becomes visible
                 _fsync(self.directory)
-                for _, old in self._complete()[:-self.keep_last] if self.keep_last else []:
-                    shutil.rmtree(old)
             except OSError as exc:
                 error = f"saving checkpoint {final} failed ({exc}); the earlier checkpoints are untouched"
             except RuntimeError as exc:
@@ -161,6 +171,12 @@ class Checkpointer:
         self.last_saved_step = step
         if acc.is_main_process:
             print(f"checkpoint saved: {final}", flush=True)
+            for _, old in self._complete()[:-self.keep_last] if self.keep_last else []:
+                try:
+                    shutil.rmtree(old)
+                except OSError as exc:  # the new checkpoint is complete: a warning, not an error
+                    print(f"warning: --keep-last {self.keep_last}: could not remove the older checkpoint {old} "
+                          f"({exc}); remove it by hand", file=sys.stderr, flush=True)
 
     def resume(self, spec):
         """Collective. Load the checkpoint `spec` names and return its training state, or None to start fresh."""
