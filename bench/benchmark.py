@@ -236,7 +236,7 @@ def plan_runs(args, processes, on_gpu, data_root):
                                             "--pipeline", pipeline, "--max-steps", str(args.steps),
                                             "--epochs", str(epochs), *common], {}))
         for config in args.configs:
-            launch, env = config_launch(config, processes, on_gpu, args.mixed_precision, args.out)
+            launch, env = config_launch(config, processes, on_gpu, args.mixed_precision, Path(args.out).resolve())
             runs.append((config, repeat, ["accelerate", "launch", *launch, str(REPO / "recipes" / f"{args.recipe}.py"),
                                           *recipe_args], env))
         if lean_enabled(args):

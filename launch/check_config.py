@@ -194,7 +194,7 @@ def check_deepspeed(raw, ds_json, recipe, problems):
                            "in the JSON")
         if any(state is not None for state in states.values()):
             problems.note(f"precision comes from the DeepSpeed JSON ({json_says}); `accelerate launch --mixed_precision` "
-                          f"is ignored with a JSON (observed with accelerate 1.15)")
+                          f"does not override it (fp16 against a bf16 JSON is an error; accelerate 1.15)")
 
 
 def check(config, recipe=None):

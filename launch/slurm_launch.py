@@ -117,7 +117,7 @@ def threads_per_process(env, processes_here):
     """CPU threads for each training process of this task: the cores Slurm gave the task, shared evenly.
     torch's launcher sets OMP_NUM_THREADS=1 when it is unset, which leaves DeepSpeed's CPU Adam (optimizer
     offload: OpenMP) on one core. An OMP_NUM_THREADS set by the user wins."""
-    if env.get("OMP_NUM_THREADS", "").isdigit():
+    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
         return int(env["OMP_NUM_THREADS"])
     if env.get("SLURM_CPUS_PER_TASK", "").isdigit():  # sbatch --cpus-per-task
         cpus = int(env["SLURM_CPUS_PER_TASK"])
@@ -184,11 +184,11 @@ def plan(args, env, resolve=True):
                "--num_machines", str(nodes), "--machine_rank", str(node_rank),
                "--num_processes", str(nodes * per_node),
                "--main_process_ip", main_host, "--main_process_port", str(port),
-               "--rdzv_backend", "static", "--same_network",
-               "--num_cpu_threads_per_process", str(threads_per_process(env, per_node))]
+               "--rdzv_backend", "static", "--same_network"]
         if distributed_type == "DEEPSPEED":
             cmd += ["--deepspeed_multinode_launcher", "standard"]  # torchrun on every node, no pdsh/ssh
-        return cmd + [args.recipe, *args.recipe_args], {}
+        # The environment, not --num_cpu_threads_per_process: accelerate's DeepSpeed launcher drops that flag.
+        return cmd + [args.recipe, *args.recipe_args], {"OMP_NUM_THREADS": str(threads_per_process(env, per_node))}
 
     # per-gpu: this task is one process of nodes x tasks-per-node.
     if ntasks_node != per_node:

@@ -63,19 +63,22 @@ def test_one_node_step():
     assert flag(cmd, "--num_processes") == "2"  # SLURM_GPUS_ON_NODE=2
     assert flag(cmd, "--main_process_ip") == "node1"
     assert flag(cmd, "--main_process_port") == str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
-    assert cmd[-3:] == [RECIPE, "--epochs", "2"] and extra == {}
+    assert cmd[-3:] == [RECIPE, "--epochs", "2"] and extra == {"OMP_NUM_THREADS": "1"}
 
 
 def test_each_process_gets_its_share_of_the_cores():
     """torch's launcher would set OMP_NUM_THREADS=1 and leave DeepSpeed's CPU Adam (offload) on one core."""
     env = captured("step_1node_1task")  # 2 GPUs on the node
     assert env["SLURM_CPUS_ON_NODE"] == "1"  # the test cluster's node: 1 core for 2 processes, still 1 each
-    assert flag(plan([CONFIG, RECIPE], env)[0], "--num_cpu_threads_per_process") == "1"
+    assert plan([CONFIG, RECIPE], env)[1] == {"OMP_NUM_THREADS": "1"}
     for extra_env, threads in [({"SLURM_CPUS_ON_NODE": "32"}, "16"), ({"SLURM_CPUS_PER_TASK": "12"}, "6"),
                                ({"SLURM_CPUS_ON_NODE": "32", "OMP_NUM_THREADS": "3"}, "3"),
+                               ({"SLURM_CPUS_ON_NODE": "32", "OMP_NUM_THREADS": "0"}, "16"),
                                ({"SLURM_CPUS_ON_NODE": "1"}, "1")]:
-        cmd, _ = plan(["accelerate_configs/deepspeed_zero3_offload.yaml", "recipes/gpt.py"], {**env, **extra_env})
-        assert flag(cmd, "--num_cpu_threads_per_process") == threads, extra_env
+        # In the environment of accelerate launch: its DeepSpeed launcher drops --num_cpu_threads_per_process,
+        # and torchrun keeps an OMP_NUM_THREADS it finds set.
+        _, extra = plan(["accelerate_configs/deepspeed_zero3_offload.yaml", "recipes/gpt.py"], {**env, **extra_env})
+        assert extra == {"OMP_NUM_THREADS": threads}, extra_env
     # per-gpu: the task is one process; 2 tasks share the node's 32 cores.
     per_gpu = captured("step_1node_2tasks_rank0")
     _, extra = plan(["--mode", "per-gpu", CONFIG, RECIPE], {**per_gpu, "SLURM_CPUS_ON_NODE": "32"})
@@ -191,7 +194,7 @@ def test_dry_run_prints_the_command_and_starts_nothing(tmp_path):
     out = subprocess.run([sys.executable, "launch/slurm_launch.py", "--dry-run", CONFIG, RECIPE, "--epochs", "1"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("[node 1 task 1] accelerate launch --config_file accelerate_configs/2gpu.yaml "
+    assert out.stdout.startswith("[node 1 task 1] OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/2gpu.yaml "
                                  "--num_machines 2 --machine_rank 1 --num_processes 4 --main_process_ip node1 ")
     assert out.stdout.rstrip().endswith("recipes/mnist.py --epochs 1")
 
