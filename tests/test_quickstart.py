@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from conftest import CONFIG_DIR, FP32, REPO, TEST_SIZE, TRAIN_SIZE, cpu_route, run_command
+from conftest import CONFIG_DIR, FP32, REPO, TEST_SIZE, TRAIN_SIZE, cpu_route, deepspeed_precision, run_command
 
 QUICKSTART = REPO / "recipes" / "quickstart"
 TORCH_ONLY, WITH_ACCELERATE = QUICKSTART / "torch_only.py", QUICKSTART / "with_accelerate.py"
@@ -118,8 +118,9 @@ def test_with_accelerate_under_python_prints_the_same_numbers(torch_only_run, mn
 @pytest.mark.slow
 @pytest.mark.parametrize("config, distributed_type",
                          [("2gpu.yaml", "MULTI_CPU"), ("deepspeed_zero2.yaml", "DEEPSPEED")])
-def test_with_accelerate_launched_as_two_processes(config, distributed_type, mnist_root):
+def test_with_accelerate_launched_as_two_processes(config, distributed_type, mnist_root, tmp_path):
     route_args, route_env = cpu_route(config)
+    route_args += deepspeed_precision(config, FP32, tmp_path / "run")  # fp32 for a DeepSpeed JSON too
     cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), *route_args, *FP32,
            str(WITH_ACCELERATE), "--data-dir", str(mnist_root), *TRAINING]
     returncode, output = run_command(cmd, env=route_env, timeout=600)
