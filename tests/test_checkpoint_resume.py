@@ -58,6 +58,9 @@ def test_resume_mid_epoch_is_exact(launch, reference, config):
     resumed = launch(config, *TRAINING, "--resume", str(ckpt / MID_EPOCH), launch_args=FP32)
     assert f"resumed from {ckpt / MID_EPOCH} (step 12" in resumed.output
     assert resumed.summary["resumed_from_step"] == 12 and resumed.summary["steps"] == 20
+    # How long checkpoints took (docs/measuring.md): 6 saves in the reference, one verified load here.
+    assert ref.summary["checkpoints"]["saves"] == 6 and ref.summary["checkpoints"]["save_checksum_s"] > 0
+    assert resumed.summary["checkpoints"]["resume_verify_s"] > 0 and resumed.summary["checkpoints"]["resume_load_s"] > 0
     assert_resumed_at(ckpt / MID_EPOCH, step=12, epoch=1, step_in_epoch=2)
     assert resumed.metrics[0]["step"] == 13
     assert_same_steps(ref.metrics, resumed.metrics, after_step=12)
@@ -111,6 +114,57 @@ def test_world_size_change_where_it_can_work(launch, reference):
     a, b = ref.params(), resumed.params()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=5e-5, rtol=1e-4, msg=name)
+
+
+# The file replaced by a pickle that would run code, per engine: accelerate's optimizer state (DDP), one
+# rank's ZeRO optimizer shard, one rank's ZeRO-3 model shard, and the pickled index of FSDP's sharded
+# checkpoint (torch.distributed.checkpoint's .metadata).
+PLANTED = {"2gpu.yaml": "optimizer.bin",
+           "deepspeed_zero2.yaml": "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+           "deepspeed_zero3.yaml": "pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt",
+           "fsdp.yaml": "optimizer_0/.metadata"}
+
+
+class _RunsCode:
+    """Unpickling this runs a shell command: what an attacker would plant."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("config", list(PLANTED))
+def test_planted_pickle_runs_no_code(launch, reference, tmp_path, config):
+    """A checkpoint whose file was replaced by a code-running pickle, with its checksum updated in the
+    manifest (whoever can write the file can write the manifest): refused by name, and nothing runs."""
+    import hashlib
+    import io
+    import pickle
+
+    _, ckpt = reference(config)
+    if config == "fsdp.yaml":  # sharded: every rank wrote its own part of the model and optimizer
+        assert {p.name for p in (ckpt / MID_EPOCH / "pytorch_model_fsdp_0").iterdir()} == {
+            ".metadata", "__0_0.distcp", "__1_0.distcp"}
+    work, marker, rel = tmp_path / MID_EPOCH, tmp_path / "code-ran", PLANTED[config]
+    shutil.copytree(ckpt / MID_EPOCH, work)
+    if rel.endswith(".metadata"):
+        data = pickle.dumps(_RunsCode(marker))
+    else:
+        buffer = io.BytesIO()
+        torch.save({"state": _RunsCode(marker)}, buffer)
+        data = buffer.getvalue()
+    (work / rel).write_bytes(data)
+    manifest = json.loads((work / "checkpoint.json").read_text())
+    manifest["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (work / "checkpoint.json").write_text(json.dumps(manifest))
+
+    run = launch(config, *TRAINING, "--resume", str(work), launch_args=FP32, check=False)
+    assert run.returncode == 1, run.output[-3000:]
+    assert f"checkpoint {work} cannot be used: rank " in run.output, run.output[-3000:]
+    assert f"{rel}: " in run.output and "asks for posix.system" in run.output, run.output[-3000:]
+    assert not marker.exists()
 
 
 def test_resume_refusals(launch, reference, tmp_path):
@@ -184,7 +238,7 @@ def test_corrupt_and_unfinished_checkpoints(launch, reference, tmp_path):
     auto = launch("cpu.yaml", *TRAINING, "--checkpoint-dir", str(work), launch_args=FP32)
     assert f"skipping checkpoint {work / 'step-00000024'}: no checkpoint.json" in auto.output
     assert f"skipping checkpoint {work / 'step-00000020'}: optimizer.bin does not match" in auto.output
-    assert f"ignoring {work / '.tmp-step-00000028'}" in auto.output
+    assert f"removing {work / '.tmp-step-00000028'}: a save that never finished" in auto.output
     assert auto.summary["resumed_from_step"] == 16
     assert_identical_params(ref.params(), auto.params())
 

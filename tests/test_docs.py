@@ -28,7 +28,10 @@ SUMMARY_KEYS = [
     "micro_batches", "first_step_at", "wall_time_s",
     # memory and parameters
     "peak_memory_mb", "peak_memory_mb_per_rank", "peak_memory_kind", "param_elements",
-    "param_elements_per_rank", "param_checksum_per_rank",
+    "param_elements_per_rank", "param_checksum_per_rank", "fsdp_units", "model_init",
+    "host_peak_gb_at_start_per_rank",
+    # checkpoints
+    "checkpoints", "saves", "save_write_s", "save_checksum_s", "resume_verify_s", "resume_load_s",
     # recipe extras and arguments
     "preset", "block_size", "train_blocks", "model_state_gb_per_process_estimate", "sample",
     "arch", "image_size", "classes", "args",

@@ -7,28 +7,34 @@ Layout of --checkpoint-dir:
     step-00000120/      a complete checkpoint: accelerate's save_state files plus
                         checkpoint.json (training state, world size, and the size and
                         SHA-256 of every file), written last
-    .tmp-step-00000130/ a save in progress, or one a crash interrupted: never loaded
+    .tmp-step-00000130/ a save in progress, or one a crash interrupted: never loaded,
+                        removed by the next run once it holds the lock
+    .lock               the run that writes here: host, pid, Slurm job id (one writer per directory)
 
 Every rank calls save() and resume(): accelerate's save_state/load_state are collective
 under DeepSpeed and FSDP (each rank writes and reads its own shards).
 A checkpoint becomes visible by one atomic rename, after every rank has finished writing
 and the main process has recorded the checksums, so a kill at any moment leaves either
-the old set of checkpoints or the old set plus one complete new one.
+the old set of checkpoints or the old set plus one complete new one. The ranks share the
+hashing, and loading never runs code from a file (integrity.py).
 """
 
 import argparse
-import hashlib
 import json
 import os
 import re
 import shutil
 import sys
+import time
 
-from accelerate.utils import DistributedType, broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 
 from .checks import engine, fail
+from .dirlock import DirectoryLock
+from .integrity import (MANIFEST, UnsafeCheckpointFile, check_files, check_loadable, file_table, fsync, listing,
+                        my_share, read_manifest, weights_only_loading)
 from .stopping import add_stop_args
-MANIFEST = "checkpoint.json"
+
 NAME = re.compile(r"^step-(\d{8})$")
 
 
@@ -57,51 +63,6 @@ def add_checkpoint_args(parser):
     add_stop_args(group)
 
 
-def _sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _file_table(root):
-    table = {}
-    for folder, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(folder, name)
-            rel = os.path.relpath(path, root)
-            if rel != MANIFEST:
-                table[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
-    return table
-
-
-def verify(path):
-    """The checkpoint's manifest, or raise ValueError saying what is wrong with it."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"no {MANIFEST}: the save never finished") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"unreadable {MANIFEST} ({exc})") from None
-    for rel, expected in manifest.get("files", {}).items():
-        file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            raise ValueError(f"{rel} is missing")
-        if os.path.getsize(file) != expected["size"] or _sha256(file) != expected["sha256"]:
-            raise ValueError(f"{rel} does not match its recorded size and checksum (truncated or overwritten)")
-    return manifest
-
-
 def _layout(accelerator):
     """What decides whether a checkpoint's files can be read back by this run."""
     # 1 process and DDP store the same full state; DeepSpeed and FSDP store their own formats.
@@ -113,10 +74,29 @@ def _layout(accelerator):
 
 class Checkpointer:
     def __init__(self, accelerator, directory, keep_last, must_match):
-        """must_match: the recipe's settings a resumed run must share (batch size, seed...)."""
+        """Collective. must_match: the recipe's settings a resumed run must share (batch size, seed...).
+        Takes the directory's lock (one writer per directory) and clears saves that never finished."""
         self.accelerator, self.directory, self.keep_last = accelerator, directory, keep_last
         self.must_match = must_match
         self.last_saved_step = None
+        self.times = {"saves": 0, "save_write_s": 0.0, "save_checksum_s": 0.0, "resume_verify_s": None,
+                      "resume_load_s": None}
+        self.lock = None
+        if directory:
+            error = None
+            if accelerator.is_main_process:
+                try:
+                    os.makedirs(directory, exist_ok=True)
+                    self.lock = DirectoryLock(directory)
+                    error = self.lock.acquire()
+                except OSError as exc:
+                    error = f"--checkpoint-dir {directory}: cannot be used ({exc})"
+                if not error:
+                    for leftover in (n for n in os.listdir(directory) if n.startswith(".tmp-")):
+                        print(f"removing {os.path.join(directory, leftover)}: a save that never finished",
+                              file=sys.stderr, flush=True)
+                        shutil.rmtree(os.path.join(directory, leftover), ignore_errors=True)
+            self._agree((None, error))
 
     def _complete(self):
         names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
@@ -131,12 +111,19 @@ class Checkpointer:
             fail(self.accelerator, error)
         return value
 
+    def _all_ranks(self, problem):
+        """Collective: the first rank's problem (a string), or None when no rank has one."""
+        acc = self.accelerator
+        problems = gather_object([(acc.process_index, problem)]) if acc.num_processes > 1 else [(0, problem)]
+        return next((f"rank {r}: {p}" if acc.num_processes > 1 else p for r, p in problems if p), None)
+
     def save(self, step, train_state):
         """Collective. Skipped when this step is already saved (e.g. end of epoch right after --checkpoint-every)."""
         if step == self.last_saved_step:
             return
         acc, name = self.accelerator, f"step-{step:08d}"
         final, tmp = os.path.join(self.directory, name), os.path.join(self.directory, f".tmp-{name}")
+        started = time.perf_counter()
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this step
             os.makedirs(tmp)
@@ -144,6 +131,17 @@ class Checkpointer:
         acc.save_state(tmp)
         open(os.path.join(tmp, f"rank-{acc.process_index}.done"), "w").close()
         acc.wait_for_everyone()
+        written = time.perf_counter()
+        # Every rank hashes and syncs its share: the files it wrote, and its turn of the others.
+        table, error = {}, None
+        try:
+            mine = my_share(listing(tmp), acc.process_index, acc.num_processes)
+            table = file_table(tmp, mine)
+            for rel in mine:
+                fsync(os.path.join(tmp, rel))
+        except OSError as exc:
+            error = f"rank {acc.process_index}: {exc}"
+        tables = gather_object([(table, error)]) if acc.num_processes > 1 else [(table, error)]
         error = None
         if acc.is_main_process:
             try:
@@ -152,42 +150,88 @@ class Checkpointer:
                     raise RuntimeError(f"ranks {missing} wrote their part of the checkpoint somewhere the main "
                                        f"process cannot see: --checkpoint-dir {self.directory!r} must be on "
                                        f"storage shared by every node")
+                files = {}
+                for part, problem in tables:
+                    if problem:
+                        raise OSError(problem)
+                    files.update(part)
+                unhashed = sorted(set(listing(tmp)) - set(files))  # seen only by this rank (none on shared storage)
+                files.update(file_table(tmp, unhashed))
                 manifest = {"step": step, "layout": _layout(acc), "must_match": self.must_match,
-                            "train_state": train_state, "files": _file_table(tmp)}
-                for rel in manifest["files"]:
-                    _fsync(os.path.join(tmp, rel))
+                            "train_state": train_state, "files": files}
                 with open(os.path.join(tmp, MANIFEST), "w") as f:
                     json.dump(manifest, f, indent=1)
                     f.flush()
                     os.fsync(f.fileno())
                 shutil.rmtree(final, ignore_errors=True)  # an older save of this very step (a rerun)
                 os.replace(tmp, final)  # the moment the checkpoint becomes visible
-                _fsync(self.directory)
+                fsync(self.directory)
             except OSError as exc:
                 error = f"saving checkpoint {final} failed ({exc}); the earlier checkpoints are untouched"
+                shutil.rmtree(tmp, ignore_errors=True)  # a full disk: give back what this save took
             except RuntimeError as exc:
                 error = str(exc)
         self._agree((None, error))
         self.last_saved_step = step
+        done = time.perf_counter()
+        self.times["saves"] += 1
+        self.times["save_write_s"] += written - started
+        self.times["save_checksum_s"] += done - written
         if acc.is_main_process:
-            print(f"checkpoint saved: {final}", flush=True)
+            print(f"checkpoint saved: {final} (written in {written - started:.1f} s, checksums by "
+                  f"{acc.num_processes} rank(s) in {done - written:.1f} s)", flush=True)
             for _, old in self._complete()[:-self.keep_last] if self.keep_last else []:
                 try:
                     shutil.rmtree(old)
                 except OSError as exc:  # the new checkpoint is complete: a warning, not an error
-                    print(f"warning: --keep-last {self.keep_last}: could not remove the older checkpoint {old} "
-                          f"({exc}); remove it by hand", file=sys.stderr, flush=True)
+                    print(f"warning: --keep-last {self.keep_last}: saved {final}, but could not remove the older "
+                          f"checkpoint {old} ({exc}); remove it by hand", file=sys.stderr, flush=True)
 
     def resume(self, spec):
         """Collective. Load the checkpoint `spec` names and return its training state, or None to start fresh."""
         acc = self.accelerator
+        started = time.perf_counter()
         result = (None, None)
         if acc.is_main_process:
-            result = self._refuse_fresh_start() if spec == "none" else self._choose(spec)
-        path, manifest = self._agree(result) or (None, None)
+            result = self._refuse_fresh_start() if spec == "none" else self._candidates(spec)
+        candidates = self._agree(result) or []
+        path = manifest = None
+        for path, manifest in candidates:
+            self._check_compatible(path, manifest)
+            mine = my_share(list(manifest["files"]), acc.process_index, acc.num_processes)
+            problem = self._all_ranks(check_files(path, {rel: manifest["files"][rel] for rel in mine})
+                                      or check_loadable(path, mine))
+            if not problem:
+                break
+            if spec != "auto":
+                fail(acc, f"checkpoint {path} cannot be used: {problem}. Pick another one, or --resume auto "
+                          f"for the newest complete one.")
+            if acc.is_main_process:
+                print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
+            path = None
         if path is None:
             return None
-        saved, now = manifest["layout"], _layout(acc)
+        verified = time.perf_counter()
+        try:
+            with weights_only_loading():  # again while loading: a file swapped since the check runs no code either
+                acc.load_state(path)
+        except UnsafeCheckpointFile as exc:  # this rank only: its exit makes the launcher stop the others
+            print(f"error: checkpoint {path}: {exc}. Remove it, or resume from another one.", file=sys.stderr,
+                  flush=True)
+            sys.exit(2)
+        self.times["resume_verify_s"] = verified - started
+        self.times["resume_load_s"] = time.perf_counter() - verified
+        self.last_saved_step = manifest["step"]
+        if acc.is_main_process:
+            print(f"resumed from {path} (step {manifest['step']}, written by {manifest['layout']['world_size']} "
+                  f"processes; checksums and formats checked by {acc.num_processes} rank(s) in "
+                  f"{self.times['resume_verify_s']:.1f} s, loaded in {self.times['resume_load_s']:.1f} s)",
+                  flush=True)
+        return manifest["train_state"]
+
+    def _check_compatible(self, path, manifest):
+        """Collective (every rank has the same manifest): refuse a checkpoint this run cannot continue."""
+        saved, now = manifest["layout"], _layout(self.accelerator)
         problem = None
         if saved["family"] != now["family"] or saved["zero_stage"] != now["zero_stage"]:
             problem = (f"it was written by {saved['family']} (ZeRO stage {saved['zero_stage']}) and this run is "
@@ -202,14 +246,8 @@ class Checkpointer:
                 problem = "these settings differ from the run that wrote it (saved, now): " + ", ".join(
                     f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items())
         if problem:
-            self._agree((None, f"cannot resume from {path}: {problem}. Use the original settings, or start "
-                               f"fresh with another --checkpoint-dir."))
-        acc.load_state(path)
-        self.last_saved_step = manifest["step"]
-        if acc.is_main_process:
-            print(f"resumed from {path} (step {manifest['step']}, written by {saved['world_size']} processes)",
-                  flush=True)
-        return manifest["train_state"]
+            fail(self.accelerator, f"cannot resume from {path}: {problem}. Use the original settings, or start "
+                                   f"fresh with another --checkpoint-dir.")
 
     def _refuse_fresh_start(self):
         """Main process: --resume none into a directory that holds checkpoints would rotate them away."""
@@ -221,25 +259,29 @@ class Checkpointer:
                       f"To start fresh, give another --checkpoint-dir (or remove that one); to continue, "
                       f"use --resume auto.")
 
-    def _choose(self, spec):
-        """Main process: ((path, manifest), None) or (None, error message)."""
+    def _candidates(self, spec):
+        """Main process: ([(path, manifest)...] newest first, None) or (None, error message). The ranks
+        then verify the checksums together and take the first that passes."""
         if spec != "auto":
             if not os.path.isdir(spec):
                 return None, (f"--resume {spec}: no such directory. Give the path of a step-* checkpoint "
                               f"directory, or --resume auto for the newest complete one in --checkpoint-dir.")
             try:
-                return (spec, verify(spec)), None
+                return [(spec, read_manifest(spec))], None
             except ValueError as exc:
                 return None, (f"checkpoint {spec} cannot be used: {exc}. Pick another one, or --resume auto "
                               f"for the newest complete one.")
         if not self.directory or not os.path.isdir(self.directory):
             return None, None
-        for leftover in (n for n in os.listdir(self.directory) if n.startswith(".tmp-")):
-            print(f"warning: ignoring {os.path.join(self.directory, leftover)}: a save that never finished",
-                  file=sys.stderr, flush=True)
+        found = []
         for _, path in reversed(self._complete()):
             try:
-                return (path, verify(path)), None
+                found.append((path, read_manifest(path)))
             except ValueError as exc:
                 print(f"warning: skipping checkpoint {path}: {exc}", file=sys.stderr, flush=True)
-        return None, None
+        return found, None
+
+    def release(self):
+        """The run is over: let the next run write here."""
+        if self.lock:
+            self.lock.release()

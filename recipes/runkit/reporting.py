@@ -56,6 +56,14 @@ class StepProfiler:
             self.profiler = None
 
 
+def _step(line):
+    """The step of a metrics line; a line cut short by a killed run counts as past any checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 class MetricsLog:
     """A JSON-lines log on the main process (metrics.jsonl, eval.jsonl), mirrored to the tracker of
     --report-to; after a resume it keeps exactly the steps the checkpoint holds."""
@@ -65,7 +73,7 @@ class MetricsLog:
         self.accelerator, self.file = accelerator, None
         if accelerator.is_main_process:
             path = os.path.join(output_dir, name)
-            kept = ([line for line in open(path) if json.loads(line)["step"] <= resumed_step]
+            kept = ([line for line in open(path) if _step(line) <= resumed_step]
                     if resumed_step and os.path.exists(path) else [])
             self.file = open(path, "w")
             self.file.writelines(kept)
@@ -149,6 +157,14 @@ def footprint(accelerator, model):
             "param_elements_per_rank": [int(n) for n in per_rank[:, 1].tolist()],
             "param_checksum_per_rank": per_rank[:, 2].tolist(),  # equal on every rank unless sharded
             "fsdp_units": fsdp_units(model)}
+
+
+def host_peak_gb(accelerator):
+    """Collective: each rank's peak host memory so far (max RSS), in GB. Called right after the model is
+    built, prepared and resumed, it is what building the model cost: a full copy per process, or a shard."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
+    per_rank = accelerator.gather(torch.tensor([kb / 2**20], dtype=torch.float64, device=accelerator.device))
+    return [round(v, 3) for v in per_rank.tolist()]
 
 
 def fsdp_units(model):

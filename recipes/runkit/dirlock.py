@@ -1,0 +1,113 @@
+"""One writer per --checkpoint-dir: the lock that keeps two runs from mixing and rotating away each
+other's checkpoints (a second job, a requeued twin, a rerun while orphans of a killed launch live on)."""
+
+import atexit
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+LOCK = ".lock"
+HEARTBEAT_S, STALE_S = 30, 180  # the holder touches its lock every 30 s; 3 minutes without a touch: dead
+
+
+class DirectoryLock:
+    """One writer per --checkpoint-dir, on any shared file system: the lock is a file created with O_EXCL
+    (atomic on NFS v3+ and Lustre) holding host, pid and Slurm job id, and touched every 30 s while held.
+
+    A lock is stale, and taken over, when its holder is a dead process on this host, an earlier run of
+    this very Slurm job (a requeue: Slurm never runs one job id twice at once), or silent for 3 minutes."""
+
+    def __init__(self, directory):
+        self.path = os.path.join(directory, LOCK)
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+                   "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0), "since": time.time()}
+        self.held = False
+        self._stop = threading.Event()
+
+    def acquire(self):
+        """None once held, or the message naming the holder."""
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            except FileExistsError:
+                holder, why = self._stale()
+                if why is None:
+                    return self._refusal(holder)
+                print(f"warning: taking over {self.path}: {why}", file=sys.stderr, flush=True)
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            self.held = True
+            atexit.register(self.release)
+            threading.Thread(target=self._heartbeat, daemon=True, name="checkpoint-dir lock").start()
+            return None
+        return self._refusal(self._stale()[0])
+
+    def _stale(self):
+        """(holder, None) for a live holder, or (holder, why it is stale)."""
+        try:
+            with open(self.path) as f:
+                holder = json.load(f)
+            age = time.time() - os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return {}, "it was just released"
+        except (OSError, ValueError):
+            holder, age = {}, time.time() - os.lstat(self.path).st_mtime
+            return holder, (None if age < STALE_S else "an unreadable lock, untouched for "
+                            f"{age:.0f} s")
+        if not isinstance(holder, dict):
+            holder = {}
+        if holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
+            return holder, f"its holder, pid {holder['pid']} on this host, is gone"
+        if self.me["job"] and holder.get("job") == self.me["job"] and holder.get("restart", 0) < self.me["restart"]:
+            return holder, f"its holder is an earlier run of this job ({self.me['job']}), which Slurm requeued"
+        if age > STALE_S:
+            return holder, f"its holder has not touched it for {age:.0f} s"
+        return holder, None
+
+    def _refusal(self, holder):
+        who = (f"pid {holder.get('pid')} on {holder.get('host')}" + (f", Slurm job {holder['job']}" if holder.get("job") else "")
+               if holder else "another run")
+        return (f"--checkpoint-dir {os.path.dirname(self.path)} is in use by {who} (its lock: {self.path}). "
+                f"Two runs writing one directory would mix and rotate away each other's checkpoints: wait for "
+                f"that run to end, or give this one another --checkpoint-dir. If that run is dead, its lock is "
+                f"taken over after {STALE_S} s without a heartbeat (or delete the file).")
+
+    def _heartbeat(self):
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self):
+        if not self.held:
+            return
+        self.held = False
+        self._stop.set()
+        try:
+            with open(self.path) as f:
+                mine = json.load(f).get("pid") == self.me["pid"]
+            if mine:
+                os.unlink(self.path)
+        except (OSError, ValueError):
+            pass
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
