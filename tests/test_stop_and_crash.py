@@ -6,6 +6,7 @@ only to turn a hang into a failure; nothing here asserts a duration except the 6
 issue sets for a dead rank.
 """
 
+import json
 import os
 import re
 import signal
@@ -101,13 +102,57 @@ def test_kill_during_save_keeps_previous_checkpoint(start, launch, reference, tm
     for pid in run.leftovers():  # the whole run at once, as a node failure would
         os.kill(pid, signal.SIGKILL)
     run.finish(deadline=60)
-    assert sorted(p.name for p in ckpt.iterdir()) == [".tmp-step-00000008", "step-00000004"]
+    # The lock of the killed run stays behind; its holder is dead, so the next run takes it over.
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", ".tmp-step-00000008", "step-00000004"]
 
     resumed = launch("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt), launch_args=FP32)
-    assert f"ignoring {ckpt / '.tmp-step-00000008'}: a save that never finished" in resumed.output
+    assert f"removing {ckpt / '.tmp-step-00000008'}: a save that never finished" in resumed.output
+    assert f"taking over {ckpt / '.lock'}: its holder, pid" in resumed.output
     assert f"resumed from {ckpt / 'step-00000004'}" in resumed.output
     assert_identical_params(ref.params(), resumed.params())
     assert not (ckpt / ".tmp-step-00000008").exists()  # replaced by the complete step 8
+    assert not (ckpt / ".lock").exists()  # released at the end
+
+
+def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, launch, reference, tmp_path):
+    """A run holds --checkpoint-dir's lock: a second run there is refused at once, naming the holder. Its
+    launcher killed alone with SIGKILL (an OOM kill, a kill -9), the workers follow within seconds instead of
+    training on as orphans; the next run takes over the dead holder's lock and ends like the uninterrupted run."""
+    ref, _ = reference("2gpu.yaml")
+    ckpt = tmp_path / "ckpt"
+    run = start("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt),
+                env={"TEST_SLOW_SAVE_SECONDS": "600", "TEST_SLOW_SAVE_MATCH": "step-00000008"})
+    run.wait_until(lambda: "TEST-SHIM: slow save" in run.output and len(run.workers()) == 2, "save of step 8")
+    holder = json.loads((ckpt / ".lock").read_text())
+    assert holder["pid"] in run.workers()
+
+    second = launch("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt), launch_args=FP32, check=False)
+    assert second.returncode == 1, second.output[-3000:]
+    assert f"--checkpoint-dir {ckpt} is in use by pid {holder['pid']} on {holder['host']}" in second.output
+    assert run.proc.poll() is None  # the holder trains on, its directory untouched
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", ".tmp-step-00000008", "step-00000004"]
+
+    workers = run.workers()
+    os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone
+    end = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in workers) and time.monotonic() < end:
+        time.sleep(0.1)
+    run.finish(deadline=60)
+    assert run.left == [], "workers outlived their launcher"
+
+    rerun = launch("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt), launch_args=FP32, env={"TEST_RERUN": "1"})
+    assert f"taking over {ckpt / '.lock'}: its holder, pid {holder['pid']} on this host, is gone" in rerun.output
+    assert f"resumed from {ckpt / 'step-00000004'}" in rerun.output
+    assert_identical_params(ref.params(), rerun.params())
+    assert not (ckpt / ".lock").exists()
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
 
 
 def test_ctrl_c_stops_everything(start):

@@ -1,10 +1,13 @@
 """Stopping on a signal: every rank finishes the same step, saves, and exits 75 ("run me again").
 
 Owns the stop flags, the signal handlers, the agreement between ranks, the marker file that
-launch/ reads, and the exit code. Slurm sends SIGUSR1 (the templates' timer) or SIGTERM
+launch/ reads, the exit code, and the tie between a worker and its launcher (a worker whose
+launcher dies is killed, so no orphan trains on). Slurm sends SIGUSR1 (the templates' timer) or SIGTERM
 (preemption) to every process of the job step, DataLoader workers included.
 """
 
+import ctypes
+import errno
 import os
 import signal
 
@@ -34,6 +37,22 @@ def ignore_stop_signals(names, worker_id=None):
     only the training process acts on a stop signal, and a worker must not die of one."""
     for number in signal_numbers(names):
         signal.signal(number, signal.SIG_IGN)
+
+
+def die_with_launcher():
+    """Under accelerate launch / torchrun (Linux): SIGKILL this worker when its launcher dies. The launcher
+    starts its workers in sessions of their own, so a kill -9 or an OOM kill of the launcher would leave
+    them training as orphans, writing the same checkpoints and logs as the rerun the user starts next."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not os.path.exists("/proc/self"):
+        return  # plain python: the parent is a shell, and the user's own business
+    launcher = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != launcher or launcher == 1:  # it died before the line above: act now
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class GracefulStop:
@@ -78,7 +97,14 @@ def report_stopped(accelerator):
     another task's exit status."""
     marker = os.environ.get("RECIPE_STOP_MARKER")
     if marker and accelerator.is_local_main_process:
-        with open(marker, "w") as f:
+        # The templates put it in a directory of their own (mktemp -d); never follow a link planted there.
+        try:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            if exc.errno != errno.EEXIST:
+                raise
+            return  # already reported (another process of this node's step)
+        with os.fdopen(fd, "w") as f:
             f.write(f"{EXIT_STOPPED}\n")
 
 
