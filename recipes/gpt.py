@@ -25,26 +25,9 @@ per token x tokens/s / (peak x processes), N the parameters without the position
 --report-to tensorboard (or png) draws the curves, --profile 5 traces 5 steps per rank,
 and bench/benchmark.py --recipe gpt compares the configs' tokens/s and memory.
 
-Memory of the model states per GPU on 2 GPUs, with AdamW (bytes per parameter: DDP
-keeps fp32 weights, fp32 gradients, DDP's gradient buckets and two fp32 Adam moments:
-20; DeepSpeed bf16 keeps bf16 weights and gradients plus fp32 master weights and
-moments: 16, of which ZeRO-1 shards the 12 optimizer bytes, ZeRO-2 also the gradients,
-ZeRO-3 everything). Activations come on top: about 34 L T d bytes per sequence in bf16.
-
-    preset  layers d_model heads  params   DDP     ZeRO-1  ZeRO-2  ZeRO-3  activations/sequence
-    124M      12    768     12     86 M    1.7 GB  0.9 GB  0.8 GB  0.7 GB  0.3 GB
-    350M      24   1024     16    304 M    6.1     3.0     2.7     2.4     0.9
-    1.3B      24   2048     16   1.21 B   24.2    12.1    10.9     9.7     1.7
-    2.7B      32   2560     32   2.52 B   50.4    25.2    22.7    20.2     2.9
-    6.7B      32   4096     32   6.45 B  129      64.5    58.0    51.6     4.6
-    13B       40   5120     40   12.6 B  252     126     113     101       7.1
-
-With 80 GB per GPU the largest preset that fits is 2.7B under DDP, and 6.7B under
-ZeRO-1, ZeRO-2 and ZeRO-3 (ZeRO-1 with few sequences per GPU); only ZeRO-3 with CPU
-offload (deepspeed_zero3_offload.yaml, about 16 bytes per parameter of CPU memory)
-gets 13B going. The names are the GPT-2/GPT-3 shapes; with 256 byte tokens instead of
-50k BPE tokens the models are smaller than their names. These are estimates; no GPU
-was available to measure them (the recipe prints its own estimate when it starts).
+Memory per GPU on 2x80 GB (docs/recipes.md has the table per preset and engine): the
+largest preset that fits is 2.7B under DDP, 6.7B under ZeRO-1/2/3, and 13B only with ZeRO-3
+and CPU offload. Under ZeRO-3 and FSDP the model is built sharded (run.sharded_init()).
 
 Results (measured 2026-11-22 on a 2-core CPU machine without GPU, fp32):
 `python recipes/gpt.py --preset tiny --max-steps 200` (the standard library's sources,
@@ -110,13 +93,32 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+class Linear(nn.Linear):
+    """nn.Linear with GPT-2's initialisation, done in its constructor: ZeRO-3's zero.Init partitions each
+    module's weights as its constructor returns, so a loop over the finished model would see empty shards."""
+
+    def __init__(self, d_in, d_out, std=0.02, bias=True):
+        self.std = std  # read by reset_parameters, which nn.Linear's constructor calls
+        super().__init__(d_in, d_out, bias)
+
+    def reset_parameters(self):
+        nn.init.normal_(self.weight, 0.0, self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self):
+        nn.init.normal_(self.weight, 0.0, 0.02)
+
+
 class Block(nn.Module):
-    def __init__(self, heads, d, dropout):
+    def __init__(self, heads, d, dropout, residual_std):
         super().__init__()
         self.heads, self.dropout = heads, dropout
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout))
+        self.qkv, self.proj = Linear(d, 3 * d), Linear(d, d, std=residual_std)
+        self.mlp = nn.Sequential(Linear(d, 4 * d), nn.GELU(), Linear(4 * d, d, std=residual_std), nn.Dropout(dropout))
 
     def forward(self, x):
         batch, length, d = x.shape
@@ -134,17 +136,17 @@ class GPT(nn.Module):
     def __init__(self, layers, heads, d, block_size, dropout=0.0):
         super().__init__()
         self.block_size = block_size
-        self.wte, self.wpe = nn.Embedding(VOCAB, d), nn.Embedding(block_size, d)
-        self.blocks = nn.ModuleList(Block(heads, d, dropout) for _ in range(layers))
+        self.wte, self.wpe = Embedding(VOCAB, d), Embedding(block_size, d)
+        # GPT-2 initialisation: normal(0, 0.02), residual projections scaled down with depth
+        self.blocks = nn.ModuleList(Block(heads, d, dropout, 0.02 / math.sqrt(2 * layers)) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, VOCAB, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied embeddings, as in GPT-2
-        for name, p in self.named_parameters():
-            if p.dim() == 2:  # GPT-2 initialisation; residual projections scaled down with depth
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
+        self.lm_head = Linear(d, VOCAB, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        """Tied embeddings, as in GPT-2. Hugging Face's name: accelerate calls it to tie them again after
+        moving the model to the meta device (FSDP's cpu_ram_efficient_loading)."""
+        self.lm_head.weight = self.wte.weight
 
     def forward(self, ids):
         x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
@@ -234,11 +236,14 @@ def main(argv=None):
     micro = args.batch_size // args.grad_accum
     train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True)
     val_loader = DataLoader(val_set, batch_size=micro)  # accelerate fills a short last batch: shapes stay static
-    model = GPT(layers, heads, d, block_size, args.dropout)
-    n_params = sum(p.numel() for p in model.parameters())
+    with run.sharded_init():  # ZeRO-3 (zero3_init_flag) and FSDP (cpu_ram_efficient_loading): never whole per process
+        model = GPT(layers, heads, d, block_size, args.dropout)
+    # Counted from the shapes: under zero.Init the parameters are already partitioned here.
+    n_params = VOCAB * d + block_size * d + layers * (12 * d * d + 13 * d) + 2 * d
     flops_per_token = 6 * (n_params - block_size * d) + 12 * layers * d * block_size
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # no weight decay on biases and LayerNorm
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    flat = [n.endswith("bias") or ".ln" in n or n.startswith("ln_") for n, _ in model.named_parameters()]
+    decay = [p for (_, p), f in zip(model.named_parameters(), flat) if not f]  # no weight decay on biases and norms
+    no_decay = [p for (_, p), f in zip(model.named_parameters(), flat) if f]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
                                   fused=True)  # one kernel for all parameters, CUDA and CPU alike

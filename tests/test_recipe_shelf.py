@@ -301,6 +301,12 @@ def test_gpt_under_every_config(shelf, config):
     # FSDP shards per transformer block (gpt.GPT._no_split_modules): the root, blocks.0, blocks.1, and ln_f,
     # which accelerate splits off; not one unit that stays gathered from forward to backward.
     assert s["fsdp_units"] == (4 if config == "fsdp.yaml" else None)
+    # Built sharded (run.sharded_init): no process holds the whole model under ZeRO-3 (zero3_init_flag), only
+    # the main process under FSDP (cpu_ram_efficient_loading). The step-by-step match with 1 process below
+    # shows that the weights are the same as when built whole.
+    sharded = {"deepspeed_zero3.yaml": "partitioned while built (zero.Init)", OFFLOAD: "partitioned while built (zero.Init)",
+               "fsdp.yaml": "initialised on the main process only, sharded by prepare()"}
+    assert s["model_init"] == sharded.get(config, "built whole on every process")
     # The prompt and then --sample-tokens 16 new bytes, decoded as UTF-8 (1 to 4 bytes per character,
     # an invalid byte shown as one replacement character): 4 to 16 characters after the prompt.
     assert s["sample"].startswith("def ") and 4 <= len(s["sample"]) - len("def ") <= 16, s["sample"]

@@ -8,7 +8,8 @@ exported model.safetensors, the summary and the exit code. A recipe calls it at 
     run = Run("mnist", args)                        # first: stop signals are caught from here on
     accelerator = Accelerator(..., log_with=run.tracker, project_dir=args.output_dir)
     run.setup(accelerator)                          # launch and batch checks, DeepSpeed clipping
-    ...                                             # data, model, optimizer, accelerator.prepare
+    with run.sharded_init(): model = Net()          # optional: built sharded under ZeRO-3 and FSDP
+    ...                                             # data, optimizer, accelerator.prepare
     run.start(model, optimizer, scheduler, ...)     # resume, logs, the first line
     for batches in run.epochs(train_loader):
         for inputs, targets in batches:
@@ -17,9 +18,8 @@ exported model.safetensors, the summary and the exit code. A recipe calls it at 
                 break
     return run.finish(model)                        # model.safetensors, summary, exit code
 
-The step counter, the position in the epoch, the open log window (each rank's loss sum) and the
-last evaluation are saved in every checkpoint, so a resumed run writes the same metrics, line for
-line (timings aside), as one that was never interrupted.
+Each checkpoint holds the step, the position in the epoch, the open log window and the last
+evaluation: a resumed run writes the same metrics, line for line (timings aside).
 """
 
 import itertools
@@ -30,13 +30,14 @@ import time
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from .building import building_context
 from .checkpoints import Checkpointer, add_checkpoint_args
 from .checks import (cast_buffers_for_half_precision, check_batch, check_gpus_before_start, check_deepspeed_flags, check_launch,
                      deepspeed_clip_like, engine, fail, finish, fsdp_reduce_in_fp32, gradient_sync, implementation,
                      innermost_optimizer, main_print, refuse_optimizer_offload, stepping_optimizer)
-from .reporting import (MetricsLog, StepProfiler, add_observability_args, footprint, plot_curves, start_tracking,
-                        write_summary)
-from .stopping import GracefulStop, stopped
+from .reporting import (MetricsLog, StepProfiler, add_observability_args, footprint, host_peak_gb, plot_curves,
+                        start_tracking, write_summary)
+from .stopping import GracefulStop, die_with_launcher, stopped
 from .timing import StepTimer
 
 
@@ -65,10 +66,12 @@ class Run:
         """Call first in main(): from here on a stop signal is remembered instead of killing the process."""
         self.name, self.args, self.unit = name, args, unit
         self.t_start = time.perf_counter()
+        die_with_launcher()
         check_gpus_before_start()
         self.stopper = GracefulStop(args.stop_signals)  # the cadence is run.step's (progress lines, N steps)
         self.stopping = False
         self.tracker = "tensorboard" if args.report_to == "tensorboard" else None  # Accelerator(log_with=...)
+        self.model_init = "built whole on every process"
 
     # ---- before prepare() -------------------------------------------------------------------------
 
@@ -85,6 +88,10 @@ class Run:
         deepspeed_clip_like(accelerator, getattr(args, "max_grad_norm", 0.0))
         fsdp_reduce_in_fp32(accelerator)
         self.engine = engine(accelerator)
+
+    def sharded_init(self):
+        """`with run.sharded_init(): model = ...`: under ZeRO-3 and FSDP no process holds it whole (building.py)."""
+        return building_context(self)
 
     def fail(self, message):
         """One clear line from the main process; every rank exits 2. Call it on every rank."""
@@ -117,6 +124,7 @@ class Run:
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
         self.state.update(self.checkpointer.resume(args.resume) or {})
         self.resumed_from = self.state["step"] or None
+        self.host_peak_at_start = host_peak_gb(acc)  # building, preparing and loading the model: collective
         self._resumed_time = self.state["train_time"]  # training time of the runs before this one
         self.timer = StepTimer(acc)
         if self.state["window"]:
@@ -261,8 +269,7 @@ class Run:
             this_run = s["step"] - (self.resumed_from or 0)
             rate = this_run * self.samples_per_micro * self.grad_accum / max(train_time - self._resumed_time, 1e-9)
             t = self.timer
-            self.metrics.close()
-            self.evals.close()
+            self.metrics.close(), self.evals.close()
             if args.report_to != "none":
                 self.print(f"curves: {plot_curves(out, self.name)}")
             evaluation = {k: v for k, v in (s["last_eval"] or {}).items() if k != "step"}
@@ -276,10 +283,12 @@ class Run:
                 "data_fraction": t.total_data / max(t.total_data + t.total_compute, 1e-9), "exported_dtype": "float32",
                 "param_elements": sum(v.numel() for k, v in weights.items()
                                       if v.is_floating_point() and "running" not in k),
-                **shards, "timing": timing, **summary,
+                **shards, "model_init": self.model_init, "host_peak_gb_at_start_per_rank": self.host_peak_at_start,
+                "checkpoints": self.checkpointer.times, "timing": timing, **summary,
                 "wall_time_s": time.perf_counter() - self.t_start, "args": vars(args)})
             self.print("results: " + ", ".join(os.path.join(out, name) for name in (
                 "summary.json", "metrics.jsonl", "eval.jsonl", "model.safetensors") if os.path.exists(os.path.join(out, name))))
+        self.checkpointer.release()
         finish(acc)
         return 0
 
