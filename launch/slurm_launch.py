@@ -128,11 +128,38 @@ def threads_per_process(env, processes_here):
     return max(cpus // max(processes_here, 1), 1)
 
 
+# Rendezvous ports: 15000-29999, above the registered services people run most (8000s, 9000s) and
+# below Linux's ephemeral range (32768-60999), where the kernel picks the ports of outgoing connections.
+PORT_BASE, PORT_SPAN = 15000, 15000
+
+
 def job_port(env, override):
-    """A rendezvous port derived from the job id, so two jobs on one node never collide."""
+    """A rendezvous port derived from the job id: two jobs on one node differ unless their ids differ by a
+    multiple of 15000. --port, or RECIPE_PORT in the environment, overrides it."""
     if override:
         return override
-    return 20000 + int(require(env, "SLURM_JOB_ID")) % 20000
+    if env.get("RECIPE_PORT"):
+        try:
+            return int(env["RECIPE_PORT"])
+        except ValueError:
+            raise LaunchError(f"RECIPE_PORT={env['RECIPE_PORT']!r} is not a port number") from None
+    return PORT_BASE + int(require(env, "SLURM_JOB_ID")) % PORT_SPAN
+
+
+def hosts_rendezvous(args, env):
+    """True for the task whose process listens on the rendezvous port: node 0 (per-node), rank 0 (per-gpu)."""
+    return env.get("SLURM_NODEID") == "0" and (args.mode == "per-node" or env.get("SLURM_PROCID") == "0")
+
+
+def check_port_free(port):
+    """Fail now, with the reason, instead of a hang or a torch traceback once the training has started."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError as exc:
+            raise LaunchError(f"rendezvous port {port} on {socket.gethostname()} is taken ({exc.strerror}): another "
+                              f"job's rendezvous or a service listens there. Give a free one with --port N or "
+                              f"RECIPE_PORT=N (docs/slurm.md)") from None
 
 
 def plan(args, env, resolve=True):
@@ -167,6 +194,10 @@ def plan(args, env, resolve=True):
             raise LaunchError(f"this node cannot resolve the job's first host {main_host!r} ({exc}); "
                               f"the processes could never meet") from None
     port = job_port(env, args.port)
+    if not 1024 < port < 65536:
+        raise LaunchError(f"rendezvous port {port} is not a usable port: give one between 1025 and 65535")
+    if resolve and not args.dry_run and hosts_rendezvous(args, env):
+        check_port_free(port)
     ntasks_node = tasks_per_node(env)
     gpus = count_gpus(env)
     on_cpu = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
@@ -227,7 +258,8 @@ def parse_args(argv=None):
                    help="per-node: one srun task per node runs accelerate launch; per-gpu: one task per process")
     p.add_argument("--processes-per-node", type=int, default=0,
                    help="override the GPU count Slurm reports (CPU-only clusters)")
-    p.add_argument("--port", type=int, default=0, help="rendezvous port (default: derived from the job id)")
+    p.add_argument("--port", type=int, default=0,
+                   help="rendezvous port (default: RECIPE_PORT, else 15000 + SLURM_JOB_ID mod 15000)")
     p.add_argument("--dry-run", action="store_true", help="print what this task would run, and exit")
     p.add_argument("config", help="an accelerate config, e.g. accelerate_configs/2gpu.yaml")
     p.add_argument("recipe", help="the training script, e.g. recipes/mnist.py")

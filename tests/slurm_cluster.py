@@ -216,6 +216,21 @@ class SlurmCluster:
                 return
             time.sleep(0.1)
 
+    def job_processes(self, job_id):
+        """Live processes that job `job_id` started, on any node (the nodes' namespaces share this /proc):
+        the batch script and everything below it carry this cluster's SLURM_CONF and SLURM_JOB_ID."""
+        marks = {f"SLURM_CONF={self.conf}".encode(), f"SLURM_JOB_ID={job_id}".encode()}
+        found = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                environ = set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"))
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if marks <= environ and state != "Z":
+                found.append(int(entry))
+        return found
+
     def _daemon(self, cmd, pid_file):
         subprocess.run(cmd, env=self.env, check=True, capture_output=True, timeout=30)  # they daemonise
         self._wait(lambda: pid_file.exists() and pid_file.read_text().strip(), 10, f"{pid_file.name}")

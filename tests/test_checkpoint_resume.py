@@ -177,6 +177,14 @@ def test_resume_refusals(launch, reference, tmp_path):
     run = launch("deepspeed_zero2.yaml", *TRAINING, "--resume", str(zero2_ckpt / MID_EPOCH),
                  launch_args=(*FP32, "--num_processes", "1"), check=False)
     assert run.returncode == 1 and "relaunch with 2 processes" in run.output, run.output[-2000:]
+    # A truncated ZeRO shard (one rank's optimizer state): refused by name, nothing loaded.
+    work = tmp_path / "zero2-truncated"
+    shutil.copytree(zero2_ckpt / MID_EPOCH, work)
+    shard = "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    os.truncate(work / shard, 1000)
+    run = launch("deepspeed_zero2.yaml", *TRAINING, "--resume", str(work), launch_args=FP32, check=False)
+    assert run.returncode == 1, run.output[-2000:]
+    assert f"{shard} does not match its recorded size and checksum (truncated or overwritten)" in run.output
     # Another global batch would replay other samples: refused, with the setting named.
     run = launch("2gpu.yaml", *TRAINING, "--batch-size", "100", "--resume", str(ddp_ckpt / MID_EPOCH),
                  launch_args=FP32, check=False)
@@ -232,6 +240,7 @@ def test_corrupt_and_unfinished_checkpoints(launch, reference, tmp_path):
         f.truncate(100)
     (work / "step-00000024").mkdir()
     (work / ".tmp-step-00000028").mkdir()
+    (work / "step-00000012" / "checkpoint.json").write_text('{"step": 12, "files": ')  # a corrupt manifest
     explicit = launch("cpu.yaml", *TRAINING, "--resume", str(work / "step-00000020"), launch_args=FP32, check=False)
     assert explicit.returncode == 1, explicit.output[-2000:]  # the recipe exits 2; accelerate launch says 1
     assert "optimizer.bin does not match its recorded size and checksum" in explicit.output
@@ -239,6 +248,7 @@ def test_corrupt_and_unfinished_checkpoints(launch, reference, tmp_path):
     assert f"skipping checkpoint {work / 'step-00000024'}: no checkpoint.json" in auto.output
     assert f"skipping checkpoint {work / 'step-00000020'}: optimizer.bin does not match" in auto.output
     assert f"removing {work / '.tmp-step-00000028'}: a save that never finished" in auto.output
+    assert f"skipping checkpoint {work / 'step-00000012'}: unreadable checkpoint.json" in auto.output
     assert auto.summary["resumed_from_step"] == 16
     assert_identical_params(ref.params(), auto.params())
 

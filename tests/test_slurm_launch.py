@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -62,8 +63,26 @@ def test_one_node_step():
     assert flag(cmd, "--num_machines") == "1" and flag(cmd, "--machine_rank") == "0"
     assert flag(cmd, "--num_processes") == "2"  # SLURM_GPUS_ON_NODE=2
     assert flag(cmd, "--main_process_ip") == "node1"
-    assert flag(cmd, "--main_process_port") == str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
+    assert flag(cmd, "--main_process_port") == str(15000 + int(env["SLURM_JOB_ID"]) % 15000)
     assert cmd[-3:] == [RECIPE, "--epochs", "2"] and extra == {"OMP_NUM_THREADS": "1"}
+
+
+def test_rendezvous_port_below_the_ephemeral_range_and_taken_port_refused():
+    env = captured("step_1node_1task")
+    ports = {int(flag(plan([CONFIG, RECIPE], {**env, "SLURM_JOB_ID": str(job)})[0], "--main_process_port"))
+             for job in (1, 14999, 15000, 123456789)}
+    assert all(15000 <= p < 30000 < 32768 for p in ports)  # Linux picks outgoing ports from 32768 up
+    assert flag(plan([CONFIG, RECIPE], {**env, "RECIPE_PORT": "23456"})[0], "--main_process_port") == "23456"
+    assert flag(plan(["--port", "24680", CONFIG, RECIPE], env)[0], "--main_process_port") == "24680"
+    with socket.socket() as taken:  # the node that hosts the rendezvous checks its port before launching
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = slurm_launch.parse_args(["--port", str(port), CONFIG, RECIPE])
+        with pytest.raises(slurm_launch.LaunchError, match=f"rendezvous port {port} on .* is taken"):
+            slurm_launch.plan(args, {**env, "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_NODELIST": "localhost"})
+    with pytest.raises(slurm_launch.LaunchError, match="not a port number"):
+        plan([CONFIG, RECIPE], {**env, "RECIPE_PORT": "http"})
 
 
 def test_each_process_gets_its_share_of_the_cores():
@@ -345,6 +364,8 @@ def test_two_jobs_on_one_node_at_once(one_node, data_dir, tmp_path):
     logs = {name: log.read_text() for name, (_, log) in jobs.items()}
     for name, state in results.items():
         assert state == "COMPLETED", logs[name]
+    for name, (job, _) in jobs.items():  # nothing a completed job started lives on (the timer's sleep included)
+        wait_for(lambda: not one_node.job_processes(job), f"the end of every process of job {name}", timeout=30)
     # Both had trained and neither had finished at one moment: the training intervals overlap.
     assert all(1 <= during[name] < steps for name in jobs), during
     assert all(steps_logged(tmp_path / name) == steps for name in jobs)
@@ -627,3 +648,21 @@ def test_time_limit_warning_requeues_until_done(one_node, data_dir, tmp_path):
     assert text.count(f"resumed from {ckpt}") == restarts
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 60 and summary["resumed_from_step"] > 0
+    # Requeued and completed: no process of any of its runs lives on.
+    wait_for(lambda: not one_node.job_processes(job), "the end of every process of the job", timeout=30)
+
+
+@pytest.mark.slow
+def test_cancelled_job_leaves_no_process(one_node, data_dir, tmp_path):
+    """scancel of a training job: the batch script, its timer and sleep, srun, the launcher and the workers
+    all end (the templates' EXIT trap ends the helpers Slurm's process tracking may lose)."""
+    out = tmp_path / "out"
+    job, log = submit(one_node, ["--gres=none", "launch/single_node.sbatch", "--processes-per-node", "2"],
+                      [CONFIG, RECIPE], data_dir, out, wait=False, env=CPU_ROUTE_DDP,
+                      training=("--epochs", "50", "--log-every", "1"))
+    wait_for(lambda: steps_logged(out) >= 1, "a training step")
+    assert len(one_node.job_processes(job)) >= 4, log.read_text()  # script, timer, sleep, srun, workers...
+    assert one_node.run(["scancel", job]).returncode == 0
+    state, _ = wait_final(one_node, job)
+    assert state == "CANCELLED", log.read_text()
+    wait_for(lambda: not one_node.job_processes(job), "the end of every process of the job", timeout=30)

@@ -6,16 +6,18 @@ only to turn a hang into a failure; nothing here asserts a duration except the 6
 issue sets for a dead rank.
 """
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
 
 import pytest
 
-from conftest import FP32, REPO, TRAINING, Run, frozen, rank_of, thawed
+from conftest import FP32, REPO, TRAINING, Run, frozen, rank_of, skip_unless_ci, thawed
 from test_checkpoint_resume import assert_identical_params, assert_same_steps
 
 pytestmark = pytest.mark.slow
@@ -80,10 +82,33 @@ def test_single_process_exit_code_on_stop(data_dir, tmp_path, checkpoints, code)
         assert "no --checkpoint-dir was given, so this progress is lost" in output
 
 
-def test_dead_rank_ends_the_launch_within_60s(start):
-    run = start("2gpu.yaml", "--epochs", "50", "--log-every", "1")
-    run.wait_until(lambda: run.steps_logged() >= 2 and len(run.workers()) == 2, "step 2")
+@pytest.mark.parametrize("phase", ["training", "save", "resume", "stop agreement"])
+def test_dead_rank_ends_the_launch_within_60s(start, reference, tmp_path, phase):
+    """kill -9 of rank 1 while training, while saving a checkpoint, while loading one, and while the other
+    rank, told to stop, waits for it: the launch ends non-zero within 60 s, no process is left, and the
+    checkpoints saved before stay complete and loadable."""
+    ckpt = tmp_path / "ckpt"
+    args, env = ["--epochs", "50", "--log-every", "1"], {}
+    if phase != "training":
+        args = [*TRAINING, "--checkpoint-dir", str(ckpt)]
+    if phase == "save":
+        env = {"TEST_SLOW_SAVE_SECONDS": "600", "TEST_SLOW_SAVE_MATCH": "step-00000008"}
+    if phase == "resume":
+        _, saved = reference("2gpu.yaml")
+        shutil.copytree(saved, ckpt)
+        env = {"TEST_SLOW_LOAD_SECONDS": "600"}
+    run = start("2gpu.yaml", *args, env=env)
+    ready = {"training": lambda: run.steps_logged() >= 2, "save": lambda: "TEST-SHIM: slow save" in run.output,
+             "resume": lambda: "TEST-SHIM: slow load" in run.output, "stop agreement": lambda: run.steps_logged() >= 2}
+    run.wait_until(lambda: ready[phase]() and len(run.workers()) == 2, phase)
     victim = next(pid for pid in run.workers() if rank_of(pid) == 1)
+    if phase == "stop agreement":
+        # Rank 1 frozen, then rank 0 gets a stop signal: rank 0 must now hear from rank 1 before it can stop
+        # (in the stop agreement at its next progress line, or in the gradient reduction just before it),
+        # and rank 1 dies instead of answering.
+        frozen([victim])
+        os.kill(next(pid for pid in run.workers() if rank_of(pid) == 0), signal.SIGUSR1)
+    saved_before = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) if ckpt.exists() else []
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     returncode = run.finish(deadline=120)
@@ -91,6 +116,12 @@ def test_dead_rank_ends_the_launch_within_60s(start):
     assert returncode == 1
     assert took < 60, f"the launch took {took:.0f}s to end after a rank died"
     assert run.left == []
+    for name in saved_before:  # complete and intact: every file matches its manifest
+        manifest = json.loads((ckpt / name / "checkpoint.json").read_text())
+        for rel, want in manifest["files"].items():
+            assert hashlib.sha256((ckpt / name / rel).read_bytes()).hexdigest() == want["sha256"], (name, rel)
+    if phase in ("save", "resume"):
+        assert saved_before
 
 
 def test_kill_during_save_keeps_previous_checkpoint(start, launch, reference, tmp_path):
@@ -153,6 +184,29 @@ def _state(pid):
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_full_disk_during_a_save(launch, tmp_path):
+    """A checkpoint directory on a 24 MB tmpfs: the first checkpoint fits, the second fills the disk. The run
+    ends with one message saying so, and the first checkpoint stays complete."""
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        skip_unless_ci("mounting a small tmpfs needs root")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(ckpt)], check=True)
+    try:
+        run = launch("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt), launch_args=FP32, check=False)
+        assert run.returncode == 1, run.output[-3000:]
+        assert re.search(r"error: saving checkpoint \S+ failed (on rank \d )?\(.*No space left on device.*\); the "
+                         r"earlier checkpoints are untouched", run.output), run.output[-3000:]
+        saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))
+        assert saved and saved[0] == "step-00000004"
+        for name in saved:
+            manifest = json.loads((ckpt / name / "checkpoint.json").read_text())
+            for rel, want in manifest["files"].items():
+                assert hashlib.sha256((ckpt / name / rel).read_bytes()).hexdigest() == want["sha256"]
+    finally:
+        subprocess.run(["umount", "-l", str(ckpt)], check=False)
 
 
 def test_ctrl_c_stops_everything(start):

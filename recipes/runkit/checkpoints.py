@@ -128,8 +128,14 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this step
             os.makedirs(tmp)
         acc.wait_for_everyone()
-        acc.save_state(tmp)
-        open(os.path.join(tmp, f"rank-{acc.process_index}.done"), "w").close()
+        try:
+            acc.save_state(tmp)
+            open(os.path.join(tmp, f"rank-{acc.process_index}.done"), "w").close()
+        except OSError as exc:  # a full disk, a quota: this rank's exit makes the launcher stop the others
+            print(f"error: saving checkpoint {final} failed on rank {acc.process_index} ({exc}); the earlier "
+                  f"checkpoints are untouched. Free space and run the same command again to resume from the "
+                  f"newest of them.", file=sys.stderr, flush=True)
+            sys.exit(2)
         acc.wait_for_everyone()
         written = time.perf_counter()
         # Every rank hashes and syncs its share: the files it wrote, and its turn of the others.

@@ -96,7 +96,7 @@ class DirectoryLock:
         self._stop.set()
         try:
             with open(self.path) as f:
-                mine = json.load(f).get("pid") == self.me["pid"]
+                mine = json.load(f).get("pid") == self.me["pid"] == os.getpid()  # never a forked child
             if mine:
                 os.unlink(self.path)
         except (OSError, ValueError):

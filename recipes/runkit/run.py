@@ -30,7 +30,7 @@ import time
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .building import building_context
+from .building import building_context, hold_efficient_loading
 from .checkpoints import Checkpointer, add_checkpoint_args
 from .checks import (cast_buffers_for_half_precision, check_batch, check_gpus_before_start, check_deepspeed_flags, check_launch,
                      deepspeed_clip_like, engine, fail, finish, fsdp_reduce_in_fp32, gradient_sync, implementation,
@@ -78,8 +78,7 @@ class Run:
     def setup(self, accelerator, refuse_offload=None):
         """Launch checks (no rank trains alone, the global batch divides), and DeepSpeed clipping like the
         recipe's --max-grad-norm (0 without the flag). refuse_offload: (why, instead) for SGD recipes."""
-        self.accelerator, args = accelerator, self.args
-        self.print = main_print(accelerator)
+        self.accelerator, args, self.print = accelerator, self.args, main_print(accelerator)
         check_launch(accelerator)
         if refuse_offload:
             refuse_optimizer_offload(accelerator, *refuse_offload)
@@ -87,6 +86,7 @@ class Run:
         check_batch(accelerator, args.batch_size, self.grad_accum, getattr(args, "eval_batch_size", None))
         deepspeed_clip_like(accelerator, getattr(args, "max_grad_norm", 0.0))
         fsdp_reduce_in_fp32(accelerator)
+        self.efficient_loading = hold_efficient_loading(accelerator)  # for run.sharded_init() only
         self.engine = engine(accelerator)
 
     def sharded_init(self):

@@ -43,9 +43,15 @@ def die_with_launcher():
     """Under accelerate launch / torchrun (Linux): SIGKILL this worker when its launcher dies. The launcher
     starts its workers in sessions of their own, so a kill -9 or an OOM kill of the launcher would leave
     them training as orphans, writing the same checkpoints and logs as the rerun the user starts next."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not os.path.exists("/proc/self"):
-        return  # plain python: the parent is a shell, and the user's own business
     launcher = os.getppid()
+    try:
+        with open(f"/proc/{launcher}/cmdline", "rb") as f:
+            parent = [os.path.basename(a) for a in f.read().decode(errors="replace").split("\0")]
+    except OSError:
+        return  # not Linux
+    # torchrun's workers (several processes), or accelerate launch's single child; not a shell or srun.
+    if "TORCHELASTIC_RUN_ID" not in os.environ and not ("accelerate" in parent and "launch" in parent):
+        return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG

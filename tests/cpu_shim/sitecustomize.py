@@ -7,6 +7,8 @@ its variable is set, for the test that needs it:
 * TEST_SLOW_SAVE_SECONDS: a slow file system. Accelerator.save_state into a directory whose
   name contains TEST_SLOW_SAVE_MATCH prints "TEST-SHIM: slow save" after writing its files and
   then sleeps, so a test can kill the run while that checkpoint is half-made.
+* TEST_SLOW_LOAD_SECONDS: the same for Accelerator.load_state ("TEST-SHIM: slow load"), so a test
+  can kill a rank in the middle of a resume.
 * TEST_FAKE_GPUS: a worker sees this many GPUs (torch.cuda reports them; none is usable), to test
   the refusal of more processes than GPUs on a machine without any.
 * TEST_COUNT_SYNCS=DIR: each worker counts, per optimizer step, the calls that make the host wait
@@ -35,6 +37,22 @@ def _slow_save(seconds):
         return result
 
     Accelerator.save_state = slow_save_state
+
+
+def _slow_load(seconds):
+    import time
+
+    from accelerate import Accelerator
+
+    load_state = Accelerator.load_state
+
+    def slow_load_state(self, input_dir=None, **kwargs):
+        result = load_state(self, input_dir, **kwargs)
+        print(f"TEST-SHIM: slow load from {input_dir}", flush=True)
+        time.sleep(seconds)
+        return result
+
+    Accelerator.load_state = slow_load_state
 
 
 def _slow_steps(seconds):
@@ -112,6 +130,8 @@ def _install():
         _slow_steps(float(os.environ["TEST_STEP_SECONDS"]))
     if os.environ.get("TEST_SLOW_SAVE_SECONDS"):
         _slow_save(float(os.environ["TEST_SLOW_SAVE_SECONDS"]))
+    if os.environ.get("TEST_SLOW_LOAD_SECONDS"):
+        _slow_load(float(os.environ["TEST_SLOW_LOAD_SECONDS"]))
     route = os.path.join(os.path.dirname(__file__), "..", "..", "cpu_route", "sitecustomize.py")
     spec = importlib.util.spec_from_file_location("cpu_route_sitecustomize", route)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
