@@ -181,19 +181,29 @@ def free_port():
         return s.getsockname()[1]
 
 
+def deepspeed_json_in(config, precision, out_dir):
+    """With a DeepSpeed JSON only the JSON sets the dtype (accelerate ignores --mixed_precision next to it):
+    the path of a copy of `config`'s JSON in `precision` ("no", "bf16", "fp16"), written into out_dir, or
+    None for a config without a JSON. Nothing else in the copy changes. Used by the benchmark and the tests."""
+    ds_file = (load_config(config).get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if not ds_file:
+        return None
+    ds = json.loads((REPO / ds_file).read_text())
+    for dtype in ("bf16", "fp16"):
+        ds[dtype] = {"enabled": precision == dtype}
+    copy = Path(out_dir) / f"{Path(ds_file).stem}.{precision}.json"
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(json.dumps(ds, indent=1))
+    return copy
+
+
 def config_launch(config, processes, on_gpu, mixed_precision, out):
     """accelerate launch arguments and environment that run `config` here with `processes` processes."""
     cfg = load_config(config)
     args, env = ["--config_file", str(CONFIGS / config), "--main_process_port", str(free_port()),
                  "--mixed_precision", mixed_precision], {}
-    ds_file = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
-    if ds_file:  # with a DeepSpeed JSON only the JSON sets the dtype: a copy in the precision asked for
-        ds = json.loads((REPO / ds_file).read_text())
-        for dtype in ("bf16", "fp16"):
-            ds[dtype] = {"enabled": mixed_precision == dtype}
-        copy = Path(out) / f"{Path(ds_file).stem}.{mixed_precision}.json"
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        copy.write_text(json.dumps(ds, indent=1))
+    copy = deepspeed_json_in(config, mixed_precision, out)
+    if copy:
         args += ["--deepspeed_config_file", str(copy)]
     if cfg.get("num_processes", 1) > 1:
         args += ["--num_processes", str(processes)]

@@ -25,6 +25,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from benchmark import deepspeed_json_in  # noqa: E402  (one place that makes a DeepSpeed JSON's fp32 copy)
 CONFIG_DIR = REPO / "accelerate_configs"
 CPU_SHIM = REPO / "tests" / "cpu_shim"
 CONFIG_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))  # every shipped config
@@ -80,22 +82,17 @@ def cpu_route(config_name):
 
 
 def deepspeed_precision(config, launch_args, out_dir):
-    """With a DeepSpeed JSON only the JSON sets the dtype, and accelerate ignores --mixed_precision: a run
-    asked for in fp32 gets a copy of the config's JSON with bf16/fp16 off (nothing else changed)."""
+    """A run asked for in fp32 (--mixed_precision no) under a DeepSpeed config gets a copy of the config's
+    JSON in that precision (bench/benchmark.py's deepspeed_json_in): accelerate ignores the flag there."""
     launch_args = list(launch_args)
-    try:
-        name = (load_yaml(config).get("deepspeed_config") or {}).get("deepspeed_config_file")
-    except (yaml.YAMLError, FileNotFoundError, AttributeError):
-        return []
-    if not name or "--mixed_precision" not in launch_args:
+    if "--mixed_precision" not in launch_args:
         return []
     precision = launch_args[launch_args.index("--mixed_precision") + 1]
-    ds = json.loads((REPO / name).read_text())
-    for dtype in ("bf16", "fp16"):
-        ds[dtype] = {"enabled": precision == dtype}
-    path = out_dir.parent / f"{out_dir.name}.{precision}.json"
-    path.write_text(json.dumps(ds))
-    return ["--deepspeed_config_file", str(path)]
+    try:
+        copy = deepspeed_json_in(config, precision, out_dir.parent / f"{out_dir.name}-deepspeed")
+    except (yaml.YAMLError, FileNotFoundError, AttributeError):
+        return []  # a test of a broken config: accelerate must reject it
+    return ["--deepspeed_config_file", str(copy)] if copy else []
 
 
 def launch_command(config, data_dir, out_dir, *recipe_args, launch_args=(), recipe="recipes/mnist.py"):

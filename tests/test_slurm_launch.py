@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import DATA_ARGS, EXPECTED, REPO, TRAINING, Run, cpu_route, recipe_processes, skip_unless_ci
+from conftest import (DATA_ARGS, EXPECTED, REPO, TRAINING, Run, cpu_route, deepspeed_json_in, recipe_processes,
+                      skip_unless_ci)
 from test_checkpoint_resume import assert_identical_params, assert_same_steps
 
 sys.path.insert(0, str(REPO / "launch"))
@@ -499,10 +500,7 @@ def fp32_config(tmp_path, name="2gpu.yaml"):
     text = (REPO / "accelerate_configs" / name).read_text()
     ds_file = (yaml.safe_load(text).get("deepspeed_config") or {}).get("deepspeed_config_file")
     if ds_file:  # with a DeepSpeed JSON only the JSON sets the dtype
-        ds = json.loads((REPO / ds_file).read_text())
-        ds["bf16"] = {"enabled": False}
-        (tmp_path / "fp32.json").write_text(json.dumps(ds))
-        config.write_text(text.replace(ds_file, str(tmp_path / "fp32.json")))
+        config.write_text(text.replace(ds_file, str(deepspeed_json_in(name, "no", tmp_path))))
         return config
     assert "mixed_precision: bf16" in text
     config.write_text(text.replace("mixed_precision: bf16", "mixed_precision: 'no'"))
