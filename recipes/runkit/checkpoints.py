@@ -28,11 +28,12 @@ import sys
 import time
 
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object
+from safetensors.torch import load_file, save_file
 
 from .checks import engine, fail
 from .dirlock import DirectoryLock
-from .integrity import (MANIFEST, UnsafeCheckpointFile, check_files, check_loadable, file_table, fsync, listing,
-                        my_share, read_manifest, weights_only_loading)
+from .integrity import (MANIFEST, UnsafeCheckpointFile, check_files, check_loadable, file_table, fsync,
+                        incompatibility, listing, my_share, read_manifest, weights_only_loading)
 from .stopping import add_stop_args
 
 NAME = re.compile(r"^step-(\d{8})$")
@@ -73,10 +74,10 @@ def _layout(accelerator):
 
 
 class Checkpointer:
-    def __init__(self, accelerator, directory, keep_last, must_match):
+    def __init__(self, accelerator, directory, keep_last, must_match, model=None):
         """Collective. must_match: the recipe's settings a resumed run must share (batch size, seed...).
         Takes the directory's lock (one writer per directory) and clears saves that never finished."""
-        self.accelerator, self.directory, self.keep_last = accelerator, directory, keep_last
+        self.accelerator, self.directory, self.keep_last, self.model = accelerator, directory, keep_last, model
         self.must_match = must_match
         self.last_saved_step = None
         self.times = {"saves": 0, "save_write_s": 0.0, "save_checksum_s": 0.0, "resume_verify_s": None,
@@ -130,6 +131,7 @@ class Checkpointer:
         acc.wait_for_everyone()
         try:
             acc.save_state(tmp)
+            self._save_rank_buffers(tmp)
             open(os.path.join(tmp, f"rank-{acc.process_index}.done"), "w").close()
         except OSError as exc:  # a full disk, a quota: this rank's exit makes the launcher stop the others
             print(f"error: saving checkpoint {final} failed on rank {acc.process_index} ({exc}); the earlier "
@@ -221,6 +223,7 @@ class Checkpointer:
         try:
             with weights_only_loading():  # again while loading: a file swapped since the check runs no code either
                 acc.load_state(path)
+            self._load_rank_buffers(path)
         except UnsafeCheckpointFile as exc:  # this rank only: its exit makes the launcher stop the others
             print(f"error: checkpoint {path}: {exc}. Remove it, or resume from another one.", file=sys.stderr,
                   flush=True)
@@ -235,22 +238,23 @@ class Checkpointer:
                   flush=True)
         return manifest["train_state"]
 
+    # FSDP's sharded checkpoint stores one copy of each buffer (torch.distributed.checkpoint keeps one of the
+    # tensors every rank has), but BatchNorm's running statistics differ per rank: each rank keeps its own.
+    def _save_rank_buffers(self, root):
+        if self.model is not None and self.accelerator.distributed_type == DistributedType.FSDP:
+            buffers = {name: b.detach().cpu().contiguous() for name, b in self.model.named_buffers()}
+            save_file(buffers, os.path.join(root, f"rank-{self.accelerator.process_index}.buffers.safetensors"))
+
+    def _load_rank_buffers(self, root):
+        path = os.path.join(root, f"rank-{self.accelerator.process_index}.buffers.safetensors")
+        if self.model is not None and self.accelerator.distributed_type == DistributedType.FSDP and os.path.exists(path):
+            saved = load_file(path)
+            for name, b in ((n, b) for n, b in self.model.named_buffers() if n in saved):
+                b.copy_(saved[name].to(b.device))
+
     def _check_compatible(self, path, manifest):
         """Collective (every rank has the same manifest): refuse a checkpoint this run cannot continue."""
-        saved, now = manifest["layout"], _layout(self.accelerator)
-        problem = None
-        if saved["family"] != now["family"] or saved["zero_stage"] != now["zero_stage"]:
-            problem = (f"it was written by {saved['family']} (ZeRO stage {saved['zero_stage']}) and this run is "
-                       f"{now['family']} (ZeRO stage {now['zero_stage']}); their files differ")
-        elif saved["family"] != "full" and saved["world_size"] != now["world_size"]:
-            problem = (f"{saved['family']} shards its state over the {saved['world_size']} processes that wrote "
-                       f"it, and this run has {now['world_size']}; relaunch with {saved['world_size']} processes")
-        else:
-            differ = {k: (v, self.must_match.get(k)) for k, v in manifest["must_match"].items()
-                      if self.must_match.get(k) != v}
-            if differ:
-                problem = "these settings differ from the run that wrote it (saved, now): " + ", ".join(
-                    f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items())
+        problem = incompatibility(manifest, _layout(self.accelerator), self.must_match)
         if problem:
             fail(self.accelerator, f"cannot resume from {path}: {problem}. Use the original settings, or start "
                                    f"fresh with another --checkpoint-dir.")

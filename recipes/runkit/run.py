@@ -119,7 +119,7 @@ class Run:
                    f"({self.grad_accum} x {args.batch_size // self.grad_accum // world} per process) | "
                    f"{describe + ' | ' if describe else ''}{total_steps} steps")
 
-        self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match)
+        self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model)
         self.state = {"epoch": 0, "step_in_epoch": 0, "step": 0, "epochs_run": 0, "first_loss": None,
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
         self.state.update(self.checkpointer.resume(args.resume) or {})
