@@ -236,7 +236,7 @@ def main(argv=None):
     micro = args.batch_size // args.grad_accum
     train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True)
     val_loader = DataLoader(val_set, batch_size=micro)  # accelerate fills a short last batch: shapes stay static
-    with run.sharded_init():  # ZeRO-3 (zero3_init_flag) and FSDP (cpu_ram_efficient_loading): never whole per process
+    with run.sharded_init():  # ZeRO-3 (zero3_init_flag) and FSDP: never built whole on every process
         model = GPT(layers, heads, d, block_size, args.dropout)
     # Counted from the shapes: under zero.Init the parameters are already partitioned here.
     n_params = VOCAB * d + block_size * d + layers * (12 * d * d + 13 * d) + 2 * d

@@ -302,7 +302,7 @@ def test_gpt_under_every_config(shelf, config):
     # which accelerate splits off; not one unit that stays gathered from forward to backward.
     assert s["fsdp_units"] == (4 if config == "fsdp.yaml" else None)
     # Built sharded (run.sharded_init): no process holds the whole model under ZeRO-3 (zero3_init_flag), only
-    # the main process under FSDP (cpu_ram_efficient_loading). The step-by-step match with 1 process below
+    # the main process under FSDP. The step-by-step match with 1 process below
     # shows that the weights are the same as when built whole.
     sharded = {"deepspeed_zero3.yaml": "partitioned while built (zero.Init)", OFFLOAD: "partitioned while built (zero.Init)",
                "fsdp.yaml": "initialised on the main process only, sharded by prepare()"}

@@ -1,11 +1,10 @@
 """How a recipe's model is built: sharded from the start under ZeRO-3 and FSDP.
 
 Owns run.sharded_init(). ZeRO-3 with zero3_init_flag: DeepSpeed's zero.Init partitions each
-module's weights as its constructor returns, so no process ever holds the whole model. FSDP
-with fsdp_cpu_ram_efficient_loading: only the main process writes real weights, the others
-allocate theirs without touching them, and accelerate's prepare() sends each rank its shards.
-Anything else: built whole, as written (and a model built outside sharded_init() always is). Both are accelerate's own switches, honoured here for
-models a recipe builds itself (transformers' from_pretrained honours them on its own).
+module's weights as its constructor returns, so no process ever holds the whole model. FSDP:
+only the main process writes real weights, the others allocate theirs without touching them,
+and prepare() sends each rank its shards (accelerate's cpu_ram_efficient_loading, switched on
+for this model). Anything else, and any model built outside sharded_init(): built whole.
 """
 
 import contextlib
@@ -23,8 +22,10 @@ def building_context(run):
         run.model_init = "partitioned while built (zero.Init)"
         with deepspeed.zero.Init(config_dict_or_path=plugin.dschf.config):  # the JSON, 'auto's resolved
             yield
-    elif acc.distributed_type == DistributedType.FSDP and run.efficient_loading:
-        acc.state.fsdp_plugin.cpu_ram_efficient_loading = True  # held back by hold_efficient_loading
+    elif acc.distributed_type == DistributedType.FSDP:
+        # For this model only: accelerate's broadcast in prepare() handles parameters only, and fails on
+        # buffers (BatchNorm's statistics: mnist, resnet) and on modules without Hugging Face's helpers.
+        acc.state.fsdp_plugin.cpu_ram_efficient_loading = True
         run.model_init = "initialised on the main process only, sharded by prepare()"
         with contextlib.nullcontext() if acc.is_main_process else _allocated_not_written():
             yield
@@ -48,14 +49,3 @@ def _allocated_not_written():
         for name, function in saved.items():
             setattr(init, name, function)
 
-
-def hold_efficient_loading(accelerator):
-    """Call before prepare(): returns whether the config asks for fsdp_cpu_ram_efficient_loading, and turns it
-    off until run.sharded_init() turns it back on. accelerate then sends each rank its shards of the main
-    process's state dict, but only of parameters: a model with buffers (BatchNorm's running statistics,
-    mnist's and resnet's) fails in prepare(). A model built inside run.sharded_init() has none (gpt.py)."""
-    plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type == DistributedType.FSDP else None
-    wanted = bool(plugin and plugin.cpu_ram_efficient_loading)
-    if wanted:
-        plugin.cpu_ram_efficient_loading = False
-    return wanted

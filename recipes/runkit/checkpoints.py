@@ -133,10 +133,12 @@ class Checkpointer:
             acc.save_state(tmp)
             self._save_rank_buffers(tmp)
             open(os.path.join(tmp, f"rank-{acc.process_index}.done"), "w").close()
-        except OSError as exc:  # a full disk, a quota: this rank's exit makes the launcher stop the others
-            print(f"error: saving checkpoint {final} failed on rank {acc.process_index} ({exc}); the earlier "
-                  f"checkpoints are untouched. Free space and run the same command again to resume from the "
-                  f"newest of them.", file=sys.stderr, flush=True)
+        except (OSError, RuntimeError) as exc:  # a full disk (torch.save raises RuntimeError), a quota, a peer gone:
+            free = shutil.disk_usage(tmp).free / 1e6 if os.path.isdir(tmp) else float("nan")  # this rank's exit
+            print(f"error: saving checkpoint {final} failed on rank {acc.process_index} ({type(exc).__name__}: "
+                  f"{(str(exc).splitlines() or [''])[0][:200]}; {free:.1f} MB left on its file system); the earlier "
+                  f"checkpoints are untouched. Free space and run the same command again to resume from the newest "
+                  f"of them.", file=sys.stderr, flush=True)  # makes the launcher stop the others
             sys.exit(2)
         acc.wait_for_everyone()
         written = time.perf_counter()

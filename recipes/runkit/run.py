@@ -30,7 +30,7 @@ import time
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .building import building_context, hold_efficient_loading
+from .building import building_context
 from .checkpoints import Checkpointer, add_checkpoint_args
 from .checks import (cast_buffers_for_half_precision, check_batch, check_gpus_before_start, check_deepspeed_flags, check_launch,
                      deepspeed_clip_like, engine, fail, finish, fsdp_reduce_in_fp32, gradient_sync, implementation,
@@ -86,7 +86,6 @@ class Run:
         check_batch(accelerator, args.batch_size, self.grad_accum, getattr(args, "eval_batch_size", None))
         deepspeed_clip_like(accelerator, getattr(args, "max_grad_norm", 0.0))
         fsdp_reduce_in_fp32(accelerator)
-        self.efficient_loading = hold_efficient_loading(accelerator)  # for run.sharded_init() only
         self.engine = engine(accelerator)
 
     def sharded_init(self):
