@@ -154,6 +154,8 @@ def hosts_rendezvous(args, env):
 def check_port_free(port):
     """Fail now, with the reason, instead of a hang or a torch traceback once the training has started."""
     with socket.socket() as probe:
+        # As torch's TCPStore does: the sockets of a run that just ended (TIME_WAIT) do not make it "taken".
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", port))
         except OSError as exc:

@@ -29,9 +29,10 @@ import time
 
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException  # FSDP's sharded saves and loads raise it
 
 from .checks import engine, fail
-from .dirlock import DirectoryLock
+from .dirlock import take
 from .integrity import (MANIFEST, UnsafeCheckpointFile, check_files, check_loadable, file_table, fsync,
                         incompatibility, listing, my_share, read_manifest, weights_only_loading)
 from .stopping import add_stop_args
@@ -84,19 +85,7 @@ class Checkpointer:
                       "resume_load_s": None}
         self.lock = None
         if directory:
-            error = None
-            if accelerator.is_main_process:
-                try:
-                    os.makedirs(directory, exist_ok=True)
-                    self.lock = DirectoryLock(directory)
-                    error = self.lock.acquire()
-                except OSError as exc:
-                    error = f"--checkpoint-dir {directory}: cannot be used ({exc})"
-                if not error:
-                    for leftover in (n for n in os.listdir(directory) if n.startswith(".tmp-")):
-                        print(f"removing {os.path.join(directory, leftover)}: a save that never finished",
-                              file=sys.stderr, flush=True)
-                        shutil.rmtree(os.path.join(directory, leftover), ignore_errors=True)
+            self.lock, error = take(directory) if accelerator.is_main_process else (None, None)
             self._agree((None, error))
 
     def _complete(self):
@@ -124,6 +113,7 @@ class Checkpointer:
             return
         acc, name = self.accelerator, f"step-{step:08d}"
         final, tmp = os.path.join(self.directory, name), os.path.join(self.directory, f".tmp-{name}")
+        self._agree((None, self.lock.lost() if self.lock else None))  # another run took the directory over
         started = time.perf_counter()
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this step
@@ -133,7 +123,7 @@ class Checkpointer:
             acc.save_state(tmp)
             self._save_rank_buffers(tmp)
             open(os.path.join(tmp, f"rank-{acc.process_index}.done"), "w").close()
-        except (OSError, RuntimeError) as exc:  # a full disk (torch.save raises RuntimeError), a quota, a peer gone:
+        except (OSError, RuntimeError, CheckpointException) as exc:  # a full disk (torch.save: RuntimeError),
             free = shutil.disk_usage(tmp).free / 1e6 if os.path.isdir(tmp) else float("nan")  # this rank's exit
             print(f"error: saving checkpoint {final} failed on rank {acc.process_index} ({type(exc).__name__}: "
                   f"{(str(exc).splitlines() or [''])[0][:200]}; {free:.1f} MB left on its file system); the earlier "
@@ -209,26 +199,36 @@ class Checkpointer:
         for path, manifest in candidates:
             self._check_compatible(path, manifest)
             mine = my_share(list(manifest["files"]), acc.process_index, acc.num_processes)
-            problem = self._all_ranks(check_files(path, {rel: manifest["files"][rel] for rel in mine})
-                                      or check_loadable(path, mine))
-            if not problem:
+            try:
+                damage = check_files(path, {rel: manifest["files"][rel] for rel in mine})
+                unsafe = None if damage else check_loadable(path, mine)
+            except OSError as exc:
+                damage, unsafe = f"it cannot be read ({exc})", None
+            damage, unsafe = self._all_ranks(damage), self._all_ranks(unsafe)
+            if unsafe:  # not damage: a file this code never writes. Stop, whatever --resume says.
+                fail(acc, f"checkpoint {path} cannot be used: {unsafe}. This code never writes such a file: find "
+                          f"out who did, and do not load it by other means.")
+            if not damage:
                 break
             if spec != "auto":
-                fail(acc, f"checkpoint {path} cannot be used: {problem}. Pick another one, or --resume auto "
+                fail(acc, f"checkpoint {path} cannot be used: {damage}. Pick another one, or --resume auto "
                           f"for the newest complete one.")
             if acc.is_main_process:
-                print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
+                print(f"warning: skipping checkpoint {path}: {damage}", file=sys.stderr, flush=True)
             path = None
         if path is None:
+            if candidates:  # starting fresh would rotate them away
+                fail(acc, f"--resume auto: none of the {len(candidates)} checkpoint(s) in {self.directory} can be "
+                          f"used (the warnings above say why). Give another --checkpoint-dir, or remove them.")
             return None
         verified = time.perf_counter()
         try:
             with weights_only_loading():  # again while loading: a file swapped since the check runs no code either
                 acc.load_state(path)
             self._load_rank_buffers(path)
-        except UnsafeCheckpointFile as exc:  # this rank only: its exit makes the launcher stop the others
-            print(f"error: checkpoint {path}: {exc}. Remove it, or resume from another one.", file=sys.stderr,
-                  flush=True)
+        except (UnsafeCheckpointFile, CheckpointException) as exc:  # its exit makes the launcher stop the others
+            print(f"error: checkpoint {path} cannot be loaded: {(str(exc).splitlines() or [''])[0][:300]}. Remove "
+                  f"it, or resume from another one.", file=sys.stderr, flush=True)
             sys.exit(2)
         self.times["resume_verify_s"] = verified - started
         self.times["resume_load_s"] = time.perf_counter() - verified
@@ -240,8 +240,7 @@ class Checkpointer:
                   flush=True)
         return manifest["train_state"]
 
-    # FSDP's sharded checkpoint stores one copy of each buffer (torch.distributed.checkpoint keeps one of the
-    # tensors every rank has), but BatchNorm's running statistics differ per rank: each rank keeps its own.
+    # FSDP's sharded checkpoint keeps one copy of a buffer, but BatchNorm statistics differ per rank: keep each.
     def _save_rank_buffers(self, root):
         if self.model is not None and self.accelerator.distributed_type == DistributedType.FSDP:
             buffers = {name: b.detach().cpu().contiguous() for name, b in self.model.named_buffers()}
@@ -285,15 +284,17 @@ class Checkpointer:
                               f"for the newest complete one.")
         if not self.directory or not os.path.isdir(self.directory):
             return None, None
-        found = []
-        for _, path in reversed(self._complete()):
+        found, held = [], self._complete()
+        for _, path in reversed(held):
             try:
                 found.append((path, read_manifest(path)))
             except ValueError as exc:
                 print(f"warning: skipping checkpoint {path}: {exc}", file=sys.stderr, flush=True)
+        if held and not found:
+            return None, (f"--resume auto: none of the {len(held)} checkpoint(s) in {self.directory} can be used "
+                          f"(the warnings above say why). Give another --checkpoint-dir, or remove them.")
         return found, None
 
     def release(self):
         """The run is over: let the next run write here."""
-        if self.lock:
-            self.lock.release()
+        self.lock.release() if self.lock else None

@@ -4,13 +4,32 @@ other's checkpoints (a second job, a requeued twin, a rerun while orphans of a k
 import atexit
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
 import time
 
 LOCK = ".lock"
+TAKEOVER = ".lock.takeover"  # held (O_EXCL) by the one run replacing a stale lock, for a moment
 HEARTBEAT_S, STALE_S = 30, 180  # the holder touches its lock every 30 s; 3 minutes without a touch: dead
+
+
+def take(directory):
+    """Main process: (lock, None) once this run holds `directory`, its unfinished saves removed; or
+    (None, the message saying why not)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        lock = DirectoryLock(directory)
+        error = lock.acquire()
+    except OSError as exc:
+        return None, f"--checkpoint-dir {directory}: cannot be used ({exc})"
+    if error:
+        return None, error
+    for leftover in (n for n in os.listdir(directory) if n.startswith(".tmp-")):
+        print(f"removing {os.path.join(directory, leftover)}: a save that never finished", file=sys.stderr, flush=True)
+        shutil.rmtree(os.path.join(directory, leftover), ignore_errors=True)
+    return lock, None
 
 
 class DirectoryLock:
@@ -18,7 +37,9 @@ class DirectoryLock:
     (atomic on NFS v3+ and Lustre) holding host, pid and Slurm job id, and touched every 30 s while held.
 
     A lock is stale, and taken over, when its holder is a dead process on this host, an earlier run of
-    this very Slurm job (a requeue: Slurm never runs one job id twice at once), or silent for 3 minutes."""
+    this very Slurm job (a requeue: Slurm never runs one job id twice at once), or silent for 3 minutes.
+    Only one run at a time may replace a stale lock (an O_EXCL .lock.takeover), and a holder whose lock
+    was replaced meanwhile (it was suspended for minutes) finds out at its next save and stops."""
 
     def __init__(self, directory):
         self.path = os.path.join(directory, LOCK)
@@ -29,18 +50,15 @@ class DirectoryLock:
 
     def acquire(self):
         """None once held, or the message naming the holder."""
-        for _ in range(2):
+        for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             except FileExistsError:
                 holder, why = self._stale()
                 if why is None:
                     return self._refusal(holder)
-                print(f"warning: taking over {self.path}: {why}", file=sys.stderr, flush=True)
-                try:
-                    os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
+                if not self._take_over(holder, why):
+                    return self._refusal(holder)
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(self.me, f)
@@ -52,18 +70,45 @@ class DirectoryLock:
             return None
         return self._refusal(self._stale()[0])
 
+    def _take_over(self, holder, why):
+        """Remove the stale lock, unless another run is replacing it right now."""
+        guard = os.path.join(os.path.dirname(self.path), TAKEOVER)
+        try:
+            if time.time() - os.lstat(guard).st_mtime > 60:  # left by a run that died while taking over
+                os.unlink(guard)
+        except FileNotFoundError:
+            pass
+        try:
+            os.close(os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+        except FileExistsError:
+            return False
+        try:
+            if self._read() == holder:  # still the lock judged stale, not one a faster run just made
+                print(f"warning: taking over {self.path}: {why}", file=sys.stderr, flush=True)
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.unlink(guard)
+        return True
+
+    def _read(self):
+        with open(self.path) as f:
+            return json.load(f)
+
     def _stale(self):
         """(holder, None) for a live holder, or (holder, why it is stale)."""
         try:
-            with open(self.path) as f:
-                holder = json.load(f)
+            holder = self._read()
             age = time.time() - os.stat(self.path).st_mtime
         except FileNotFoundError:
             return {}, "it was just released"
         except (OSError, ValueError):
-            holder, age = {}, time.time() - os.lstat(self.path).st_mtime
-            return holder, (None if age < STALE_S else "an unreadable lock, untouched for "
-                            f"{age:.0f} s")
+            try:
+                age = time.time() - os.lstat(self.path).st_mtime
+            except FileNotFoundError:
+                return {}, "it was just released"
+            return {}, (None if age < STALE_S else f"an unreadable lock, untouched for {age:.0f} s")
         if not isinstance(holder, dict):
             holder = {}
         if holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
@@ -82,25 +127,37 @@ class DirectoryLock:
                 f"that run to end, or give this one another --checkpoint-dir. If that run is dead, its lock is "
                 f"taken over after {STALE_S} s without a heartbeat (or delete the file).")
 
+    def _mine(self):
+        try:
+            return self._read() == self.me
+        except (OSError, ValueError):
+            return False
+
+    def lost(self):
+        """None while this run holds the lock, or the message saying that another run took it over."""
+        if not self.held or self._mine():
+            return None
+        return (f"another run took over --checkpoint-dir {os.path.dirname(self.path)} while this one was not "
+                f"heard from for {STALE_S} s (suspended?); this run stops so that only one writes there")
+
     def _heartbeat(self):
         while not self._stop.wait(HEARTBEAT_S):
-            try:
-                os.utime(self.path)
-            except OSError:
-                pass
+            if self._mine():  # never touch a lock another run has taken over
+                try:
+                    os.utime(self.path)
+                except OSError:
+                    pass
 
     def release(self):
-        if not self.held:
+        if not self.held or os.getpid() != self.me["pid"]:  # never from a forked child
             return
         self.held = False
         self._stop.set()
-        try:
-            with open(self.path) as f:
-                mine = json.load(f).get("pid") == self.me["pid"] == os.getpid()  # never a forked child
-            if mine:
+        if self._mine():
+            try:
                 os.unlink(self.path)
-        except (OSError, ValueError):
-            pass
+            except OSError:
+                pass
 
 
 def _alive(pid):

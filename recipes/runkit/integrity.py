@@ -92,11 +92,14 @@ def read_manifest(path):
         raise ValueError(f"no {MANIFEST}: the save never finished") from None
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"unreadable {MANIFEST} ({exc})") from None
-    if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and "layout" in manifest
-            and "train_state" in manifest):
+    layout = manifest.get("layout") if isinstance(manifest, dict) else None
+    if not (isinstance(manifest.get("files") if layout else None, dict) and isinstance(manifest.get("step"), int)
+            and isinstance(manifest.get("must_match"), dict) and isinstance(manifest.get("train_state"), dict)
+            and isinstance(layout, dict) and {"family", "zero_stage", "world_size"} <= set(layout)):
         raise ValueError(f"{MANIFEST} is not a manifest this code wrote")
     for rel, want in manifest["files"].items():
-        if os.path.isabs(rel) or ".." in rel.split(os.sep) or not isinstance(want, dict):
+        if (os.path.isabs(rel) or ".." in rel.split(os.sep) or not isinstance(want, dict)
+                or not isinstance(want.get("sha256"), str)):
             raise ValueError(f"{MANIFEST} names {rel!r}, which is not a file inside the checkpoint")
         if not os.path.isfile(os.path.join(path, rel)):
             raise ValueError(f"{rel} is missing")
@@ -147,20 +150,23 @@ class UnsafeCheckpointFile(Exception):
     """A checkpoint file that cannot be read without running code from it."""
 
 
-# .metadata of torch.distributed.checkpoint: its dataclasses and enums, and the plain types they hold.
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                     "torch.distributed.checkpoint.planner")
-_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-                     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+# .metadata of torch.distributed.checkpoint: its own dataclasses and enums, and the plain types they hold
+# (found by recording what the .metadata files of FSDP checkpoints ask for), nothing else.
+_DCP = "torch.distributed.checkpoint."
+_METADATA_GLOBALS = {
+    *((_DCP + "metadata", name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    (_DCP + "filesystem", "_StorageInfo"), (_DCP + "filesystem", "_StoragePrefix"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        ok = ((module, name) in _METADATA_GLOBALS
-              or (module in _METADATA_MODULES and not name.startswith("__"))
-              or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))))
-        if not ok:
+        # A dotted name would walk from an allowed module to anything it imports (os.system...).
+        dtype = module == "torch" and "." not in name and isinstance(getattr(torch, name, None), torch.dtype)
+        if "." in name or not ((module, name) in _METADATA_GLOBALS or dtype):
             raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a checkpoint's metadata never holds")
         return super().find_class(module, name)
 
@@ -172,8 +178,8 @@ def _safe_metadata_load(file, *args, **kwargs):
         raise UnsafeCheckpointFile(f"{getattr(file, 'name', file)}: refused ({exc})") from None
 
 
-_SAFE_PICKLE = types.SimpleNamespace(load=_safe_metadata_load, dump=pickle.dump, dumps=pickle.dumps,
-                                     loads=pickle.loads, HIGHEST_PROTOCOL=pickle.HIGHEST_PROTOCOL)
+# What torch.distributed.checkpoint.filesystem gets for `pickle` while a checkpoint loads: saving is unchanged.
+_SAFE_PICKLE = types.SimpleNamespace(load=_safe_metadata_load, dump=pickle.dump, HIGHEST_PROTOCOL=pickle.HIGHEST_PROTOCOL)
 
 
 @contextlib.contextmanager

@@ -68,8 +68,7 @@ class Run:
         self.t_start = time.perf_counter()
         die_with_launcher()
         check_gpus_before_start()
-        self.stopper = GracefulStop(args.stop_signals)  # the cadence is run.step's (progress lines, N steps)
-        self.stopping = False
+        self.stopper, self.stopping = GracefulStop(args.stop_signals), False  # cadence: run.step's
         self.tracker = "tensorboard" if args.report_to == "tensorboard" else None  # Accelerator(log_with=...)
         self.model_init = "built whole on every process"
 
@@ -87,6 +86,8 @@ class Run:
         deepspeed_clip_like(accelerator, getattr(args, "max_grad_norm", 0.0))
         fsdp_reduce_in_fp32(accelerator)
         self.engine = engine(accelerator)
+        # The directory's lock first: a second run on it stops in seconds, before it loads data or a model.
+        self.checkpointer = Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={})
 
     def sharded_init(self):
         """`with run.sharded_init(): model = ...`: under ZeRO-3 and FSDP no process holds it whole (building.py)."""
@@ -118,7 +119,7 @@ class Run:
                    f"({self.grad_accum} x {args.batch_size // self.grad_accum // world} per process) | "
                    f"{describe + ' | ' if describe else ''}{total_steps} steps")
 
-        self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model)
+        self.checkpointer.must_match, self.checkpointer.model = must_match, model
         self.state = {"epoch": 0, "step_in_epoch": 0, "step": 0, "epochs_run": 0, "first_loss": None,
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
         self.state.update(self.checkpointer.resume(args.resume) or {})

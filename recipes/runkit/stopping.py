@@ -57,7 +57,7 @@ def die_with_launcher():
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != launcher or launcher == 1:  # it died before the line above: act now
+    if os.getppid() != launcher:  # it died before the line above: act now (a launcher may itself be pid 1)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,0 +1,114 @@
+"""The checkpoint rules that need no launch: what a checkpoint file may contain, and the directory lock.
+
+The launches that prove the same end to end (a planted pickle under DDP, ZeRO-2, ZeRO-3 and FSDP; a
+second run refused; a dead holder's lock taken over) are in test_checkpoint_resume.py and
+test_stop_and_crash.py.
+"""
+
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "recipes"))
+from runkit import dirlock, integrity  # noqa: E402
+
+
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def stack_global(module, name):
+    """A protocol-4 pickle that calls module.name("HOME"): find_class receives the dotted name as is."""
+    text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()  # noqa: E731
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text("HOME") + b"\x85R."
+
+
+def test_checkpoint_metadata_builds_only_its_own_classes(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(6.0).view(2, 3), "step": 3}, checkpoint_id=str(tmp_path / "real"))
+    with open(tmp_path / "real" / ".metadata", "rb") as f:  # a real one loads
+        assert "w" in integrity._safe_metadata_load(f).state_dict_metadata
+    marker = tmp_path / "code-ran"
+    attacks = [pickle.dumps(RunsCode(marker)),
+               # a dotted name walks from an allowed module to what it imports
+               stack_global("torch.distributed.checkpoint.filesystem", "os.getenv"),
+               stack_global("torch.distributed.checkpoint.filesystem", "pickle.loads"),
+               stack_global("torch.distributed.checkpoint.filesystem", "FileSystemWriter")]
+    for attack in attacks:
+        with pytest.raises(integrity.UnsafeCheckpointFile, match="refused .it asks for"):
+            integrity._safe_metadata_load(io.BytesIO(attack))
+    assert not marker.exists()
+
+
+def test_torch_files_load_weights_only(tmp_path):
+    ok = {"state": {0: {"exp_avg": torch.zeros(3)}}, "rng": np.random.get_state(), "lr": 0.1}
+    torch.save(ok, tmp_path / "optimizer.bin")
+    marker = tmp_path / "code-ran"
+    torch.save({"state": RunsCode(marker)}, tmp_path / "evil.pt")
+    assert integrity.check_loadable(tmp_path, ["optimizer.bin"]) is None
+    problem = integrity.check_loadable(tmp_path, ["optimizer.bin", "evil.pt"])
+    assert problem.startswith("evil.pt: not loadable as weights only (it asks for posix.system"), problem
+    assert not marker.exists()
+    with integrity.weights_only_loading():  # what DeepSpeed's own torch.load(weights_only=False) gets
+        with pytest.raises(integrity.UnsafeCheckpointFile):
+            torch.load(tmp_path / "evil.pt", weights_only=False)
+    assert not marker.exists() and torch.load is not None
+
+
+def test_hashing_is_shared_and_a_rank_hashes_its_own_files():
+    rels = ["pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt", "random_states_0.pkl",
+            "random_states_1.pkl", "pytorch_model_fsdp_0/__1_0.distcp", "scheduler.bin", "latest",
+            "pytorch_model_fsdp_0/.metadata"]
+    shares = [integrity.my_share(rels, rank, 2) for rank in (0, 1)]
+    assert sorted(shares[0] + shares[1]) == sorted(rels)  # every file once
+    assert "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt" in shares[1]
+    assert "pytorch_model_fsdp_0/__1_0.distcp" in shares[1]
+
+
+def test_directory_lock(tmp_path, capsys):
+    first = dirlock.DirectoryLock(tmp_path)
+    assert first.acquire() is None
+    second = dirlock.DirectoryLock(tmp_path)  # this process is alive: refused, naming it
+    assert f"is in use by pid {os.getpid()} on " in second.acquire()
+    # Taken over while the holder was suspended: the holder learns it at its next save, and leaves it alone.
+    record = json.loads((tmp_path / ".lock").read_text())
+    (tmp_path / ".lock").write_text(json.dumps({**record, "pid": 1, "since": 0}))
+    assert "another run took over" in first.lost()
+    first.release()
+    assert (tmp_path / ".lock").exists()
+
+    # A dead holder on this host: taken over at once, with a warning.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / ".lock").write_text(json.dumps({**record, "pid": int(dead.stdout)}))
+    third = dirlock.DirectoryLock(tmp_path)
+    assert third.acquire() is None and third.lost() is None
+    assert f"taking over {tmp_path / '.lock'}: its holder, pid {int(dead.stdout)} on this host, is gone" in \
+        capsys.readouterr().err
+    third.release()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_requeued_job_takes_over_its_earlier_run(tmp_path, monkeypatch):
+    (tmp_path / ".lock").write_text(json.dumps({"host": "another-node", "pid": 4242, "job": "77", "restart": 0}))
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    assert "Slurm job 77" in dirlock.DirectoryLock(tmp_path).acquire()  # another job, alive as far as we know
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    requeued = dirlock.DirectoryLock(tmp_path)
+    assert requeued.acquire() is None
+    requeued.release()
