@@ -241,9 +241,9 @@ def main(argv=None):
     # Counted from the shapes: under zero.Init the parameters are already partitioned here.
     n_params = VOCAB * d + block_size * d + layers * (12 * d * d + 13 * d) + 2 * d
     flops_per_token = 6 * (n_params - block_size * d) + 12 * layers * d * block_size
-    flat = [n.endswith("bias") or ".ln" in n or n.startswith("ln_") for n, _ in model.named_parameters()]
-    decay = [p for (_, p), f in zip(model.named_parameters(), flat) if not f]  # no weight decay on biases and norms
-    no_decay = [p for (_, p), f in zip(model.named_parameters(), flat) if f]
+    flat = {n for n, _ in model.named_parameters() if n.endswith("bias") or ".ln" in n or n.startswith("ln_")}
+    decay = [p for n, p in model.named_parameters() if n not in flat]  # no weight decay on biases and norms
+    no_decay = [p for n, p in model.named_parameters() if n in flat]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
                                   fused=True)  # one kernel for all parameters, CUDA and CPU alike

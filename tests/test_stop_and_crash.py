@@ -82,6 +82,14 @@ def test_single_process_exit_code_on_stop(data_dir, tmp_path, checkpoints, code)
         assert "no --checkpoint-dir was given, so this progress is lost" in output
 
 
+def assert_intact(ckpt, names):
+    """Each checkpoint complete and unchanged: every file its manifest lists has the recorded SHA-256."""
+    for name in names:
+        manifest = json.loads((ckpt / name / "checkpoint.json").read_text())
+        for rel, want in manifest["files"].items():
+            assert hashlib.sha256((ckpt / name / rel).read_bytes()).hexdigest() == want["sha256"], (name, rel)
+
+
 @pytest.mark.parametrize("phase", ["training", "save", "resume", "stop agreement"])
 def test_dead_rank_ends_the_launch_within_60s(start, reference, tmp_path, phase):
     """kill -9 of rank 1 while training, while saving a checkpoint, while loading one, and while the other
@@ -116,10 +124,7 @@ def test_dead_rank_ends_the_launch_within_60s(start, reference, tmp_path, phase)
     assert returncode == 1
     assert took < 60, f"the launch took {took:.0f}s to end after a rank died"
     assert run.left == []
-    for name in saved_before:  # complete and intact: every file matches its manifest
-        manifest = json.loads((ckpt / name / "checkpoint.json").read_text())
-        for rel, want in manifest["files"].items():
-            assert hashlib.sha256((ckpt / name / rel).read_bytes()).hexdigest() == want["sha256"], (name, rel)
+    assert_intact(ckpt, saved_before)
     if phase in ("save", "resume"):
         assert saved_before
 
@@ -163,10 +168,9 @@ def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, lau
     assert run.proc.poll() is None  # the holder trains on, its directory untouched
     assert sorted(p.name for p in ckpt.iterdir()) == [".lock", ".tmp-step-00000008", "step-00000004"]
 
-    workers = run.workers()
     os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone
     end = time.monotonic() + 30
-    while any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in workers) and time.monotonic() < end:
+    while run.leftovers() and time.monotonic() < end:  # its workers, for as long as they outlive it
         time.sleep(0.1)
     run.finish(deadline=60)
     assert run.left == [], "workers outlived their launcher"
@@ -176,14 +180,6 @@ def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, lau
     assert f"resumed from {ckpt / 'step-00000004'}" in rerun.output
     assert_identical_params(ref.params(), rerun.params())
     assert not (ckpt / ".lock").exists()
-
-
-def _state(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "Z"
 
 
 def test_full_disk_during_a_save(launch, tmp_path):
@@ -203,10 +199,7 @@ def test_full_disk_during_a_save(launch, tmp_path):
             run.output[-3000:]
         saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))
         assert saved and saved[0] == "step-00000004"
-        for name in saved:
-            manifest = json.loads((ckpt / name / "checkpoint.json").read_text())
-            for rel, want in manifest["files"].items():
-                assert hashlib.sha256((ckpt / name / rel).read_bytes()).hexdigest() == want["sha256"]
+        assert_intact(ckpt, saved)
     finally:
         subprocess.run(["umount", "-l", str(ckpt)], check=False)
 

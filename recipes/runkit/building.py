@@ -48,4 +48,3 @@ def _allocated_not_written():
     finally:
         for name, function in saved.items():
             setattr(init, name, function)
-

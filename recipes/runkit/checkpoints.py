@@ -101,11 +101,12 @@ class Checkpointer:
             fail(self.accelerator, error)
         return value
 
-    def _all_ranks(self, problem):
-        """Collective: the first rank's problem (a string), or None when no rank has one."""
+    def _all_ranks(self, *problems):
+        """Collective: for each kind of problem (a string or None per rank), the first rank's, or None."""
         acc = self.accelerator
-        problems = gather_object([(acc.process_index, problem)]) if acc.num_processes > 1 else [(0, problem)]
-        return next((f"rank {r}: {p}" if acc.num_processes > 1 else p for r, p in problems if p), None)
+        per_rank = gather_object([problems]) if acc.num_processes > 1 else [problems]
+        return [next((f"rank {r}: {p[i]}" if acc.num_processes > 1 else p[i] for r, p in enumerate(per_rank) if p[i]),
+                     None) for i in range(len(problems))]
 
     def save(self, step, train_state):
         """Collective. Skipped when this step is already saved (e.g. end of epoch right after --checkpoint-every)."""
@@ -133,9 +134,10 @@ class Checkpointer:
         acc.wait_for_everyone()
         written = time.perf_counter()
         # Every rank hashes and syncs its share: the files it wrote, and its turn of the others.
-        table, error = {}, None
+        table, error, seen = {}, None, []
         try:
-            mine = my_share(listing(tmp), acc.process_index, acc.num_processes)
+            seen = listing(tmp)
+            mine = my_share(seen, acc.process_index, acc.num_processes)
             table = file_table(tmp, mine)
             for rel in mine:
                 fsync(os.path.join(tmp, rel))
@@ -155,7 +157,7 @@ class Checkpointer:
                     if problem:
                         raise OSError(problem)
                     files.update(part)
-                unhashed = sorted(set(listing(tmp)) - set(files))  # seen only by this rank (none on shared storage)
+                unhashed = sorted(set(seen) - set(files))  # seen only by this rank (none on shared storage)
                 files.update(file_table(tmp, unhashed))
                 manifest = {"step": step, "layout": _layout(acc), "must_match": self.must_match,
                             "train_state": train_state, "files": files}
@@ -194,7 +196,7 @@ class Checkpointer:
         result = (None, None)
         if acc.is_main_process:
             result = self._refuse_fresh_start() if spec == "none" else self._candidates(spec)
-        candidates = self._agree(result) or []
+        candidates, held = self._agree(result) or ([], 0)
         path = manifest = None
         for path, manifest in candidates:
             self._check_compatible(path, manifest)
@@ -204,7 +206,7 @@ class Checkpointer:
                 unsafe = None if damage else check_loadable(path, mine)
             except OSError as exc:
                 damage, unsafe = f"it cannot be read ({exc})", None
-            damage, unsafe = self._all_ranks(damage), self._all_ranks(unsafe)
+            damage, unsafe = self._all_ranks(damage, unsafe)
             if unsafe:  # not damage: a file this code never writes. Stop, whatever --resume says.
                 fail(acc, f"checkpoint {path} cannot be used: {unsafe}. This code never writes such a file: find "
                           f"out who did, and do not load it by other means.")
@@ -217,9 +219,9 @@ class Checkpointer:
                 print(f"warning: skipping checkpoint {path}: {damage}", file=sys.stderr, flush=True)
             path = None
         if path is None:
-            if candidates:  # starting fresh would rotate them away
-                fail(acc, f"--resume auto: none of the {len(candidates)} checkpoint(s) in {self.directory} can be "
-                          f"used (the warnings above say why). Give another --checkpoint-dir, or remove them.")
+            if held:  # starting fresh would rotate them away
+                fail(acc, f"--resume auto: none of the {held} checkpoint(s) in {self.directory} can be used (the "
+                          f"warnings above say why). Give another --checkpoint-dir, or remove them.")
             return None
         verified = time.perf_counter()
         try:
@@ -271,14 +273,14 @@ class Checkpointer:
                       f"use --resume auto.")
 
     def _candidates(self, spec):
-        """Main process: ([(path, manifest)...] newest first, None) or (None, error message). The ranks
-        then verify the checksums together and take the first that passes."""
+        """Main process: (([(path, manifest)...] newest first, how many step-* there are), None) or (None, error
+        message). The ranks then verify the checksums together and take the first that passes."""
         if spec != "auto":
             if not os.path.isdir(spec):
                 return None, (f"--resume {spec}: no such directory. Give the path of a step-* checkpoint "
                               f"directory, or --resume auto for the newest complete one in --checkpoint-dir.")
             try:
-                return [(spec, read_manifest(spec))], None
+                return ([(spec, read_manifest(spec))], 1), None
             except ValueError as exc:
                 return None, (f"checkpoint {spec} cannot be used: {exc}. Pick another one, or --resume auto "
                               f"for the newest complete one.")
@@ -290,11 +292,9 @@ class Checkpointer:
                 found.append((path, read_manifest(path)))
             except ValueError as exc:
                 print(f"warning: skipping checkpoint {path}: {exc}", file=sys.stderr, flush=True)
-        if held and not found:
-            return None, (f"--resume auto: none of the {len(held)} checkpoint(s) in {self.directory} can be used "
-                          f"(the warnings above say why). Give another --checkpoint-dir, or remove them.")
-        return found, None
+        return (found, len(held)), None
 
     def release(self):
         """The run is over: let the next run write here."""
-        self.lock.release() if self.lock else None
+        if self.lock:
+            self.lock.release()
