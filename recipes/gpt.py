@@ -29,10 +29,10 @@ Memory per GPU on 2x80 GB (docs/recipes.md has the table per preset and engine):
 largest preset that fits is 2.7B under DDP, 6.7B under ZeRO-1/2/3, and 13B only with ZeRO-3
 and CPU offload. Under ZeRO-3 and FSDP the model is built sharded (run.sharded_init()).
 
-Results (measured 2026-11-22 on a 2-core CPU machine without GPU, fp32):
+Results (measured 2026-11-23 on a 2-core CPU machine without GPU, fp32):
 `python recipes/gpt.py --preset tiny --max-steps 200` (the standard library's sources,
-71k blocks of 64 bytes, global batch 32) takes the loss from 5.41 to 2.74 (validation
-2.74) at 23k tokens/s on one core; the sample is still byte soup with Python's
+71k blocks of 64 bytes, global batch 32) takes the loss from 5.41 to 2.71 (validation
+2.74) at 48k tokens/s on one core (OMP_NUM_THREADS=1); the sample is still byte soup with Python's
 indentation. DDP, ZeRO-1/2/3 and FSDP follow the 1-process losses step by step
 (tests/), and under ZeRO-3 each rank holds half of the parameters. No GPU figures:
 none was available.
