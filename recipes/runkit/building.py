@@ -4,7 +4,10 @@ Owns run.sharded_init(). ZeRO-3 with zero3_init_flag: DeepSpeed's zero.Init part
 module's weights as its constructor returns, so no process ever holds the whole model. FSDP:
 only the main process writes real weights, the others allocate theirs without touching them,
 and prepare() sends each rank its shards (accelerate's cpu_ram_efficient_loading, switched on
-for this model). Anything else, and any model built outside sharded_init(): built whole.
+for this model). A Hugging Face model from from_pretrained (sharded_init(from_pretrained=True)) is
+loaded partitioned by transformers itself under ZeRO-3; under FSDP every process maps the weight
+files (safetensors, shared page cache) and prepare() shards the main process's values. Anything
+else, and any model built outside sharded_init(): built whole.
 """
 
 import contextlib
@@ -14,20 +17,23 @@ from accelerate.utils import DistributedType
 
 
 @contextlib.contextmanager
-def building_context(run):
-    """Sets run.model_init to what was done."""
+def building_context(run, from_pretrained=False):
+    """Sets run.model_init to what was done. from_pretrained: a Hugging Face model loaded inside, which
+    enters zero.Init itself (transformers reads the Accelerator's ZeRO-3 settings) and writes its own weights."""
     acc, plugin = run.accelerator, run.accelerator.state.deepspeed_plugin
     if acc.distributed_type == DistributedType.DEEPSPEED and plugin.zero_stage == 3 and plugin.zero3_init_flag:
         import deepspeed
-        run.model_init = "partitioned while built (zero.Init)"
-        with deepspeed.zero.Init(config_dict_or_path=plugin.dschf.config):  # the JSON, 'auto's resolved
+        run.model_init = "partitioned while " + ("loaded (transformers, zero.Init)" if from_pretrained else "built (zero.Init)")
+        with contextlib.nullcontext() if from_pretrained else deepspeed.zero.Init(
+                config_dict_or_path=plugin.dschf.config):  # the JSON, 'auto's resolved
             yield
     elif acc.distributed_type == DistributedType.FSDP:
         # For this model only: accelerate's broadcast in prepare() handles parameters only, and fails on
         # buffers (BatchNorm's statistics: mnist, resnet) and on modules without Hugging Face's helpers.
         acc.state.fsdp_plugin.cpu_ram_efficient_loading = True
-        run.model_init = "initialised on the main process only, sharded by prepare()"
-        with contextlib.nullcontext() if acc.is_main_process else _allocated_not_written():
+        run.model_init = ("weight files mapped by every process, sharded by prepare() from the main process's copy"
+                          if from_pretrained else "initialised on the main process only, sharded by prepare()")
+        with contextlib.nullcontext() if acc.is_main_process or from_pretrained else _allocated_not_written():
             yield
     else:
         run.model_init = "built whole on every process"

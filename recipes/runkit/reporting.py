@@ -159,12 +159,15 @@ def footprint(accelerator, model):
             "fsdp_units": fsdp_units(model)}
 
 
-def host_peak_gb(accelerator):
-    """Collective: each rank's peak host memory so far (max RSS), in GB. Called right after the model is
-    built, prepared and resumed, it is what building the model cost: a full copy per process, or a shard."""
+def peaks_at_start(accelerator):
+    """Collective: each rank's peak host memory so far (max RSS) and peak GPU memory allocated, in GB (None
+    without a GPU). Called right after the model is built or loaded, prepared and resumed, it is what loading
+    the model cost: a full copy per process, or a shard."""
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
-    per_rank = accelerator.gather(torch.tensor([kb / 2**20], dtype=torch.float64, device=accelerator.device))
-    return [round(v, 3) for v in per_rank.tolist()]
+    gpu = torch.cuda.max_memory_allocated(accelerator.device) / 2**30 if accelerator.device.type == "cuda" else -1
+    per_rank = accelerator.gather(torch.tensor([[kb / 2**20, gpu]], dtype=torch.float64, device=accelerator.device))
+    host, device = ([round(v, 3) for v in column] for column in per_rank.T.tolist())
+    return {"host_peak_gb_at_start_per_rank": host, "device_peak_gb_at_start_per_rank": device if gpu >= 0 else None}
 
 
 def fsdp_units(model):

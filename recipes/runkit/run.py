@@ -1,9 +1,9 @@
 """The run services behind one object, so that a recipe's loop stays the plain PyTorch loop.
 
-Run owns, for mnist.py, gpt.py and resnet.py alike: the launch checks, the epoch loop that a
-resumed run re-enters mid-epoch, the step timing, progress lines and metrics.jsonl, evaluation
-cadence and eval.jsonl, the profiler, checkpoints and their cadence, the stop agreement, the
-exported model.safetensors, the summary and the exit code. A recipe calls it at fixed points:
+Run owns, for every training recipe alike: the launch checks, the epoch loop that a resumed run
+re-enters mid-epoch, the step timing, progress lines and metrics.jsonl, evaluation cadence and
+eval.jsonl, the profiler, checkpoints, the stop agreement, the exported model (model.safetensors,
+or the recipe's own export: finetune_lm.py's save_pretrained), the summary and the exit code:
 
     run = Run("mnist", args)                        # first: stop signals are caught from here on
     accelerator = Accelerator(..., log_with=run.tracker, project_dir=args.output_dir)
@@ -18,8 +18,8 @@ exported model.safetensors, the summary and the exit code. A recipe calls it at 
                 break
     return run.finish(model)                        # model.safetensors, summary, exit code
 
-Each checkpoint holds the step, the position in the epoch, the open log window and the last
-evaluation: a resumed run writes the same metrics, line for line (timings aside).
+Checkpoints hold the step, the position in the epoch, the open log window and the last evaluation:
+a resumed run writes the same metrics, line for line (timings aside).
 """
 
 import itertools
@@ -35,7 +35,7 @@ from .checkpoints import Checkpointer, add_checkpoint_args
 from .checks import (cast_buffers_for_half_precision, check_batch, check_gpus_before_start, check_deepspeed_flags, check_launch,
                      deepspeed_clip_like, engine, fail, finish, fsdp_reduce_in_fp32, gradient_sync, implementation,
                      innermost_optimizer, main_print, refuse_optimizer_offload, stepping_optimizer)
-from .reporting import (MetricsLog, StepProfiler, add_observability_args, footprint, host_peak_gb, plot_curves,
+from .reporting import (MetricsLog, StepProfiler, add_observability_args, footprint, peaks_at_start, plot_curves,
                         start_tracking, write_summary)
 from .stopping import GracefulStop, die_with_launcher, stopped
 from .timing import StepTimer
@@ -73,7 +73,6 @@ class Run:
         self.model_init = "built whole on every process"
 
     # ---- before prepare() -------------------------------------------------------------------------
-
     def setup(self, accelerator, refuse_offload=None):
         """Launch checks (no rank trains alone, the global batch divides), and DeepSpeed clipping like the
         recipe's --max-grad-norm (0 without the flag). refuse_offload: (why, instead) for SGD recipes."""
@@ -89,16 +88,15 @@ class Run:
         # The directory's lock first: a second run on it stops in seconds, before it loads data or a model.
         self.checkpointer = Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={})
 
-    def sharded_init(self):
+    def sharded_init(self, from_pretrained=False):
         """`with run.sharded_init(): model = ...`: under ZeRO-3 and FSDP no process holds it whole (building.py)."""
-        return building_context(self)
+        return building_context(self, from_pretrained)
 
     def fail(self, message):
         """One clear line from the main process; every rank exits 2. Call it on every rank."""
         fail(self.accelerator, message)
 
     # ---- after prepare() --------------------------------------------------------------------------
-
     def start(self, model, optimizer, scheduler, *, steps_per_epoch, total_steps, epochs, samples_per_micro,
               must_match, describe="", evaluate=None, eval_every=0, flops_per_unit=0):
         """Check what prepare() built, resume from a checkpoint if there is one, open the logs and print
@@ -118,13 +116,12 @@ class Run:
                    f"{e['deepspeed_stage'] or '-'} | optimizer {self.optimizer_name} ({self.optimizer_impl}) | global batch {args.batch_size} "
                    f"({self.grad_accum} x {args.batch_size // self.grad_accum // world} per process) | "
                    f"{describe + ' | ' if describe else ''}{total_steps} steps")
-
         self.checkpointer.must_match, self.checkpointer.model = must_match, model
         self.state = {"epoch": 0, "step_in_epoch": 0, "step": 0, "epochs_run": 0, "first_loss": None,
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
         self.state.update(self.checkpointer.resume(args.resume) or {})
         self.resumed_from = self.state["step"] or None
-        self.host_peak_at_start = host_peak_gb(acc)  # building, preparing and loading the model: collective
+        self.peaks_at_start = peaks_at_start(acc)  # building, preparing and loading the model: collective
         self._resumed_time = self.state["train_time"]  # training time of the runs before this one
         self.timer = StepTimer(acc)
         if self.state["window"]:
@@ -141,7 +138,6 @@ class Run:
         return self.state["train_time"] + time.perf_counter() - self.train_start
 
     # ---- the loop ---------------------------------------------------------------------------------
-
     def epochs(self, loader):
         """Yield each epoch's micro-batches, from where a resumed run left off. After each epoch's body:
         its evaluation (per-epoch recipes), its checkpoint and a stop check."""
@@ -239,11 +235,11 @@ class Run:
         self.checkpointer.save(s["step"], {**s, "train_time": self._train_time()})
 
     # ---- the end ----------------------------------------------------------------------------------
-
-    def finish(self, model, exclude=(), **summary):
+    def finish(self, model, exclude=(), export=None, **summary):
         """Collective. After a stop: the message and exit code 75 (1 without checkpoints). Otherwise the
-        final evaluation if the last one is stale, model.safetensors (ZeRO-3 and FSDP shards gathered),
-        summary.json with the SUMMARY line, and where every result went. Returns the exit code."""
+        final evaluation if the last one is stale, model.safetensors (ZeRO-3 and FSDP shards gathered; or
+        export(weights) on the main process, returning its path), summary.json with the SUMMARY line, and
+        where every result went. Returns the exit code."""
         acc, args, s = self.accelerator, self.args, self.state
         train_time = self._train_time()
         self.profiler.stop()
@@ -265,7 +261,9 @@ class Run:
             named = ((k.replace("_orig_mod.", ""), v) for k, v in state_dict.items())
             weights = {k: (v.float() if v.is_floating_point() else v).contiguous().cpu()
                        for k, v in named if k not in exclude}
-            save_file(weights, os.path.join(out, "model.safetensors"))
+            exported = export(weights) if export else os.path.join(out, "model.safetensors")
+            if not export:
+                save_file(weights, exported)
             this_run = s["step"] - (self.resumed_from or 0)
             rate = this_run * self.samples_per_micro * self.grad_accum / max(train_time - self._resumed_time, 1e-9)
             t = self.timer
@@ -283,11 +281,11 @@ class Run:
                 "data_fraction": t.total_data / max(t.total_data + t.total_compute, 1e-9), "exported_dtype": "float32",
                 "param_elements": sum(v.numel() for k, v in weights.items()
                                       if v.is_floating_point() and "running" not in k),
-                **shards, "model_init": self.model_init, "host_peak_gb_at_start_per_rank": self.host_peak_at_start,
+                **shards, "model_init": self.model_init, **self.peaks_at_start,
                 "checkpoints": self.checkpointer.times, "timing": timing, **summary,
                 "wall_time_s": time.perf_counter() - self.t_start, "args": vars(args)})
-            self.print("results: " + ", ".join(os.path.join(out, name) for name in (
-                "summary.json", "metrics.jsonl", "eval.jsonl", "model.safetensors") if os.path.exists(os.path.join(out, name))))
+            self.print("results: " + ", ".join([os.path.join(out, name) for name in ("summary.json", "metrics.jsonl",
+                                                "eval.jsonl") if os.path.exists(os.path.join(out, name))] + [exported]))
         self.checkpointer.release()
         finish(acc)
         return 0

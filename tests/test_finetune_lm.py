@@ -1,0 +1,206 @@
+"""recipes/finetune_lm.py on a tiny random Llama and a tokenizer built here (tests/tiny_hf.py), saved in
+Hugging Face's formats, launched for real under every config (2 CPU processes).
+
+One launch per config serves every assertion about it: the engine, the step-by-step match with one
+process, and the exported model directory loaded back with from_pretrained.
+"""
+
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ALL_CONFIGS, EXPECTED, REPO, Run, rank_of, run_command
+from test_recipe_shelf import OFFLOAD, assert_engine, assert_refused, assert_shards_held
+from tiny_hf import corpus, write_all
+
+STEPS, BATCH, BLOCK = 8, 16, 32
+
+
+@pytest.fixture(scope="session")
+def hf(tmp_path_factory):
+    """The tiny model (tokenizer with a pad token), a copy whose pad token is its end-of-sequence token,
+    the data files, and a 'model' the size of Llama 3.1 70B: its config.json only."""
+    root = write_all(tmp_path_factory.mktemp("tiny_hf"))
+    shutil.copytree(root / "model", root / "model_pad_is_eos")
+    config_path = root / "model_pad_is_eos" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["pad_token"] = "</s>"
+    config_path.write_text(json.dumps(config))
+    big = json.loads((root / "model" / "config.json").read_text())
+    big.update(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+               num_key_value_heads=8, vocab_size=128256)
+    (root / "big").mkdir()
+    (root / "big" / "config.json").write_text(json.dumps(big))
+    return root
+
+
+def training(hf, model="model", data="pairs.jsonl"):
+    return ["--model", str(hf / model), "--data-files", str(hf / data), "--block-size", str(BLOCK), "--max-steps",
+            str(STEPS), "--batch-size", str(BATCH), "--lr", "3e-3", "--warmup-steps", "2", "--log-every", "1",
+            "--eval-every", "4", "--eval-batches", "2", "--sample-tokens", "6", "--save-dtype", "float32",
+            "--peak-tflops", "1"]
+
+
+@pytest.fixture(scope="session")
+def finetune(launch, hf):
+    """finetune(config, *extra, model=..., data=...) -> Run, fp32, one launch per distinct argument list."""
+    def _finetune(config, *extra, model="model", data="pairs.jsonl", check=True, launch_args=("--mixed_precision", "no")):
+        return launch(config, *training(hf, model, data), *extra, launch_args=launch_args,
+                      recipe="recipes/finetune_lm.py", check=check)
+    return _finetune
+
+
+def reloaded_logprobs(model_dir, prompt_ids, new_ids):
+    """The log-probabilities that the model loaded back with from_pretrained gives the run's greedy answer,
+    and its own greedy choices at each position."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.tensor([prompt_ids + new_ids])
+    with torch.no_grad():
+        logp = F.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)[len(prompt_ids) - 1:-1]
+    return [logp[i, t].item() for i, t in enumerate(new_ids)], logp.argmax(-1).tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_finetune_under_every_config(finetune, config):
+    run = finetune(config)
+    s = run.summary
+    assert_engine(s, config)
+    assert s["steps"] == STEPS and s["data_format"] == "pairs" and s["exported_dtype"] == "float32"
+    assert s["optimizer"] == ("DeepSpeedCPUAdam" if config == OFFLOAD else "AdamW")
+    assert_shards_held(s, config)
+    loaded = {"deepspeed_zero3.yaml": "partitioned while loaded (transformers, zero.Init)",
+              OFFLOAD: "partitioned while loaded (transformers, zero.Init)",
+              "fsdp.yaml": "weight files mapped by every process, sharded by prepare() from the main process's copy"}
+    assert s["model_init"] == loaded.get(config, "built whole on every process")
+    assert len(s["host_peak_gb_at_start_per_rank"]) == s["world_size"] and s["device_peak_gb_at_start_per_rank"] is None
+    # FSDP2 shards per decoder layer (the model's _no_split_modules): the 2 layers, the embedding, the final norm
+    # and the head (one group of two modules), and the root.
+    assert s["fsdp_units"] == (6 if config == "fsdp.yaml" else None)
+    tokens = STEPS * BATCH * BLOCK
+    assert tokens / s["wall_time_s"] <= s["tokens_per_s"] <= tokens / run.metrics[-1]["train_time_s"], s
+    assert s["mfu"] > 0 and s["final_loss"] < s["first_loss"]
+    # The exported directory: from_pretrained loads it (tokenizer too), and its logits are the run's.
+    from transformers import AutoTokenizer
+    model_dir = run.out_dir / "model"
+    assert AutoTokenizer.from_pretrained(model_dir).decode(s["sample_prompt_ids"]) == s["sample_prompt"]
+    logprobs, choices = reloaded_logprobs(model_dir, s["sample_prompt_ids"], s["sample_token_ids"])
+    assert choices == s["sample_token_ids"] and len(choices) >= 1
+    assert logprobs == pytest.approx(s["sample_logprobs"], abs=1e-5)
+    if config == "cpu.yaml":
+        return
+    one = finetune("cpu.yaml")  # the reference: DDP, ZeRO and FSDP follow it step by step
+    tolerance = 1e-3 if config == OFFLOAD else 1e-4
+    assert [m["step"] for m in run.metrics] == [m["step"] for m in one.metrics] == list(range(1, STEPS + 1))
+    for a, b in zip(one.metrics, run.metrics):
+        assert b["loss"] == pytest.approx(a["loss"], rel=tolerance), (config, a, b)
+
+
+def test_labels_are_set_by_position():
+    """The pad positions and the prompt are never in the loss, whatever their token ids; the response and
+    its end-of-sequence token are, even when the pad token is the end-of-sequence token."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    from finetune_lm import IGNORE, encode_pair
+    eos = pad = 2
+    ids, labels = encode_pair([0, 5, 6], [7, 2, 8], eos, pad, 10)  # a response that contains the eos id
+    assert ids == [0, 5, 6, 7, 2, 8, eos, pad, pad, pad]
+    assert labels == [IGNORE] * 3 + [7, 2, 8, eos] + [IGNORE] * 3
+    ids, labels = encode_pair([0, 5, 6], [7, 8, 9], eos, 4, 5)  # cut at the block size: no padding
+    assert ids == [0, 5, 6, 7, 8] and labels == [IGNORE] * 3 + [7, 8]
+
+
+@pytest.mark.slow
+def test_pad_token_never_reaches_the_loss(finetune, hf):
+    """The same run with the pad token swapped for the end-of-sequence token trains exactly the same: padding
+    is neither learned nor attended to (it follows the last real token, and attention is causal)."""
+    a, b = finetune("cpu.yaml"), finetune("cpu.yaml", model="model_pad_is_eos")
+    assert [m["loss"] for m in a.metrics] == [m["loss"] for m in b.metrics]
+    assert a.summary["val_loss"] == b.summary["val_loss"]
+    # The share of positions in the loss is the responses' tokens and their end-of-sequence tokens.
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(hf / "model")
+    per_pair = [len(tok(r, add_special_tokens=False)["input_ids"]) + 1 for _, r in corpus()]
+    assert min(per_pair) / (BLOCK - 1) <= a.summary["loss_positions_share"] <= max(per_pair) / (BLOCK - 1)
+
+
+@pytest.mark.slow
+def test_packed_text_and_bf16_export(finetune):
+    run = finetune("2gpu.yaml", "--save-dtype", "bfloat16", data="text.txt")
+    s = run.summary
+    assert s["data_format"] == "text" and s["loss_positions_share"] == 1.0 and s["exported_dtype"] == "bfloat16"
+    from safetensors import safe_open
+    with safe_open(run.out_dir / "model" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+
+
+@pytest.mark.slow
+def test_killed_rank_then_resume_is_exact(finetune, start, hf, tmp_path):
+    """FSDP2 with sharded checkpoints: one rank killed mid-run, the resumed run ends with the uninterrupted
+    run's losses and weights, bit for bit."""
+    config = "fsdp.yaml"
+    ckpt = ["--checkpoint-every", "3", "--keep-last", "0"]
+    ref = finetune(config, "--checkpoint-dir", str(tmp_path / "ref"), *ckpt)
+    args = [*training(hf), "--checkpoint-dir", str(tmp_path / "ckpt"), *ckpt]
+    run = start(config, *args, recipe="recipes/finetune_lm.py", env={"TEST_STEP_SECONDS": "0.3"})
+    run.wait_until(lambda: run.steps_logged() >= 4 and len(run.workers()) == 2, "step 4")
+    os.kill(next(pid for pid in run.workers() if rank_of(pid) == 1), signal.SIGKILL)
+    assert run.finish() != 0 and run.left == []
+    code, output = run_command(run.proc.args, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")})
+    assert code == 0, output[-4000:]
+    resumed = Run(code, output, run.log_path.parent)
+    assert resumed.summary["resumed_from_step"] in (3, 6)
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in ref.metrics]
+    from safetensors.torch import load_file
+    a, b = (load_file(r.out_dir / "model" / "model.safetensors") for r in (ref, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_stop_signal_exits_75_and_resumes(hf, tmp_path):
+    """python, one process: SIGTERM stops at the next step with a checkpoint and exit code 75."""
+    import subprocess
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    cmd = [sys.executable, "recipes/finetune_lm.py", *training(hf), "--output-dir", str(out), "--checkpoint-dir",
+           str(ckpt)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "tests" / "cpu_shim"), TEST_STEP_SECONDS="0.3")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, output[-3000:]
+    stopped_at = int(sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))[-1].split("-")[1])
+    assert 2 <= stopped_at < STEPS
+    code, output = run_command(cmd, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")})
+    assert code == 0, output[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["resumed_from_step"] == stopped_at and s["steps"] == STEPS
+
+
+@pytest.mark.slow
+def test_each_input_error_is_one_clear_message(finetune, hf, tmp_path):
+    questions = tmp_path / "qa.jsonl"
+    questions.write_text("".join(json.dumps({"question": p, "answer": r}) + "\n" for p, r in corpus(40)))
+    offline = {"HF_HUB_OFFLINE": "1"}
+    for args, env, words in [
+        (["--model", "no-such-org/no-such-model"], offline, "cannot load model 'no-such-org/no-such-model'"),
+        (["--data-files", str(questions)], {}, "not ['prompt', 'response']: name them with --prompt-column"),
+        (["--block-size", "4096"], {}, "longer than"),
+    ]:
+        out = tmp_path / f"out{len(words)}"
+        cmd = [sys.executable, "recipes/finetune_lm.py", *training(hf), "--output-dir", str(out), *args]
+        assert_refused(Run(*run_command(cmd, env=env), out), words)
+    # ZeRO-3 without zero3_init_flag: every process would load all 70B parameters first.
+    big = finetune("deepspeed_zero3.yaml", model="big", check=False,
+                   launch_args=("--mixed_precision", "no", "--zero3_init_flag", "false"))
+    assert_refused(big, "Set zero3_init_flag: true")
