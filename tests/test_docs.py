@@ -29,12 +29,14 @@ SUMMARY_KEYS = [
     # memory and parameters
     "peak_memory_mb", "peak_memory_mb_per_rank", "peak_memory_kind", "param_elements",
     "param_elements_per_rank", "param_checksum_per_rank", "fsdp_units", "model_init",
-    "host_peak_gb_at_start_per_rank",
+    "host_peak_gb_at_start_per_rank", "device_peak_gb_at_start_per_rank",
     # checkpoints
     "checkpoints", "saves", "save_write_s", "save_checksum_s", "resume_verify_s", "resume_load_s",
     # recipe extras and arguments
     "preset", "block_size", "train_blocks", "model_state_gb_per_process_estimate", "sample",
-    "arch", "image_size", "classes", "args",
+    "arch", "image_size", "classes", "base_model", "data_format", "train_examples", "loss_positions_share",
+    "gradient_checkpointing", "exported_dtype", "sample_prompt", "sample_prompt_ids", "sample_token_ids",
+    "sample_logprobs", "args",
 ]
 
 INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ALL_CONFIGS, EXPECTED, REPO, Run, rank_of, run_command
+from conftest import CONFIG_FILES, REPO, Run, frozen, rank_of, run_command, thawed
 from test_recipe_shelf import OFFLOAD, assert_engine, assert_refused, assert_shards_held
 from tiny_hf import corpus, write_all
 
@@ -69,7 +69,7 @@ def reloaded_logprobs(model_dir, prompt_ids, new_ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("config", CONFIG_FILES)  # the *_compile.yaml ones too
 def test_finetune_under_every_config(finetune, config):
     run = finetune(config)
     s = run.summary
@@ -98,7 +98,8 @@ def test_finetune_under_every_config(finetune, config):
     if config == "cpu.yaml":
         return
     one = finetune("cpu.yaml")  # the reference: DDP, ZeRO and FSDP follow it step by step
-    tolerance = 1e-3 if config == OFFLOAD else 1e-4
+    # DeepSpeed's CPU Adam and inductor's fused kernels round differently from eager torch.
+    tolerance = 1e-3 if config == OFFLOAD or "compile" in config else 1e-4
     assert [m["step"] for m in run.metrics] == [m["step"] for m in one.metrics] == list(range(1, STEPS + 1))
     for a, b in zip(one.metrics, run.metrics):
         assert b["loss"] == pytest.approx(a["loss"], rel=tolerance), (config, a, b)
@@ -168,23 +169,26 @@ def test_stop_signal_exits_75_and_resumes(hf, tmp_path):
     """python, one process: SIGTERM stops at the next step with a checkpoint and exit code 75."""
     import subprocess
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    cmd = [sys.executable, "recipes/finetune_lm.py", *training(hf), "--output-dir", str(out), "--checkpoint-dir",
-           str(ckpt)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "tests" / "cpu_shim"), TEST_STEP_SECONDS="0.3")
+    steps = 200  # a few seconds: the signal lands mid-run
+    cmd = [sys.executable, "recipes/finetune_lm.py", *training(hf), "--max-steps", str(steps), "--output-dir", str(out),
+           "--checkpoint-dir", str(ckpt), "--eval-every", "100"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = out / "metrics.jsonl"
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(0.05)
+        time.sleep(0.02)
+    frozen([proc.pid])  # the signal is then handled at a known point: mid-run
     proc.send_signal(signal.SIGTERM)
+    thawed([proc.pid])
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 75, output[-3000:]
-    stopped_at = int(sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))[-1].split("-")[1])
-    assert 2 <= stopped_at < STEPS
-    code, output = run_command(cmd, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")})
+    stopped_at = max(int(p.name.split("-")[1]) for p in ckpt.iterdir() if p.name.startswith("step-"))
+    assert 2 <= stopped_at < steps
+    code, output = run_command(cmd)
     assert code == 0, output[-3000:]
     s = json.loads((out / "summary.json").read_text())
-    assert s["resumed_from_step"] == stopped_at and s["steps"] == STEPS
+    assert s["resumed_from_step"] == stopped_at and s["steps"] == steps
 
 
 @pytest.mark.slow

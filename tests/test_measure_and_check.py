@@ -116,6 +116,10 @@ def test_mnist_reports_to_tensorboard_and_profiles_every_rank(launch):
     ("resnet", ["--image-size", "16", "--batch-size", "16", "--epochs", "2", "--num-workers", "1", "--log-every", "1"],
      {"loss", "lr", "samples_per_s", "data_ms", "forward_backward_ms", "optimizer_ms", "val_accuracy"}, (1100, 400),
      [TAB_BLUE]),
+    ("finetune_lm", ["--block-size", "32", "--max-steps", "6", "--batch-size", "8", "--log-every", "1", "--eval-every",
+                     "3", "--eval-batches", "2", "--sample-tokens", "0"],
+     {"loss", "lr", "tokens_per_s", "data_ms", "forward_backward_ms", "optimizer_ms", "val_loss"}, (600, 400),
+     [TAB_BLUE, TAB_ORANGE]),
 ])
 def test_every_training_recipe_reports_and_profiles(recipe, args, tags, size, colours, tmp_path):
     from image_folder import write_image_folder
@@ -124,6 +128,10 @@ def test_every_training_recipe_reports_and_profiles(recipe, args, tags, size, co
         args = [*args, "--data-files", str(tmp_path / "corpus.txt")]
     if recipe == "resnet":
         args = [*args, "--data-dir", str(write_image_folder(tmp_path / "images", 16, 4, size=16))]
+    if recipe == "finetune_lm":
+        from tiny_hf import write_all
+        hf = write_all(tmp_path / "hf")
+        args = [*args, "--model", str(hf / "model"), "--data-files", str(hf / "pairs.jsonl")]
     out = tmp_path / "out"
     code, output = run_command([sys.executable, f"recipes/{recipe}.py", *args, "--output-dir", str(out),
                                 "--report-to", "tensorboard", "--profile", "2"])

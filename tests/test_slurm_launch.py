@@ -278,9 +278,10 @@ def two_nodes(tmp_path_factory):
 
 
 def submit(cluster, sbatch_args, launch_args, data_dir, out_dir, env=None, wait=True,
-           training=("--max-steps", "6", "--log-every", "1")):
-    """sbatch a template from the repo root; return (state, log text, job id)."""
-    recipe_args = ["--data-dir", str(data_dir), "--output-dir", str(out_dir), *DATA_ARGS, *training]
+           training=("--max-steps", "6", "--log-every", "1"), recipe_args=None):
+    """sbatch a template from the repo root; return (state, log text, job id). recipe_args: instead of mnist's."""
+    recipe_args = ["--output-dir", str(out_dir), *(
+        recipe_args if recipe_args is not None else ["--data-dir", str(data_dir), *DATA_ARGS, *training])]
     log = out_dir.parent / f"{out_dir.name}.log"
     config = next((a for a in launch_args if a.endswith(".yaml")), "")
     shipped = config.startswith("accelerate_configs/") and (REPO / config).is_file()
@@ -404,6 +405,28 @@ def test_two_node_job(two_nodes, data_dir, tmp_path, config):
     assert all("--main_process_ip node1" in line for line in lines)  # the namespace address, not localhost
     assert {line.split("--machine_rank ")[1].split()[0] for line in lines} == {"0", "1"}
     assert len(set(s["param_checksum_per_rank"])) == 1  # every rank ends with the same weights
+
+
+@pytest.mark.slow
+def test_two_node_finetune_under_zero3(two_nodes, tmp_path):
+    """recipes/finetune_lm.py through the multi-node template: one DeepSpeed ZeRO-3 process per node, the
+    Hugging Face model loaded partitioned across the nodes and exported whole, loadable with from_pretrained."""
+    from tiny_hf import write_all
+    hf = write_all(tmp_path / "hf")
+    args = ["--model", str(hf / "model"), "--data-files", str(hf / "pairs.jsonl"), "--block-size", "32", "--max-steps",
+            "4", "--batch-size", "16", "--log-every", "1", "--sample-tokens", "0"]
+    state, log, _ = submit(two_nodes, ["launch/multinode.sbatch", "--processes-per-node=1"],
+                           [str(fp32_config(tmp_path, "deepspeed_zero3.yaml")), "recipes/finetune_lm.py"], None,
+                           tmp_path / "out", env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")}, recipe_args=args)
+    assert state == "COMPLETED", log
+    s = summary(tmp_path / "out")
+    assert (s["world_size"], s["deepspeed_stage"], s["steps"]) == (2, 3, 4)
+    assert s["model_init"] == "partitioned while loaded (transformers, zero.Init)"
+    lines = [line for line in log.splitlines() if line.startswith("slurm_launch: ")]
+    assert {line.split()[1] for line in lines} == {"node1", "node2"}, log
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+    assert sum(p.numel() for p in model.parameters()) == s["param_elements"]
 
 
 def task_hosts(log_text):

@@ -1,0 +1,84 @@
+"""Which Hugging Face causal LMs a full fine-tune (recipes/finetune_lm.py, AdamW) fits on 2 x 80 GB, per engine.
+
+    python bench/lm_memory.py [--gpus 2] [--gpu-gb 80] [--tokens-per-gpu 4096]
+
+Computed, not measured: the parameter counts come from the real architectures built on the meta
+device (no download), the bytes per parameter from what each engine keeps, and the activations
+from what a Llama decoder layer saves for backward. docs/recipes.md prints this table.
+
+Model states per GPU, bytes per parameter (N parameters, G GPUs):
+  DDP (2gpu.yaml, bf16 autocast)   20     fp32 weights 4, gradients 4, DDP's buckets 4, Adam moments 8
+  ZeRO-2 (bf16)                    2+14/G bf16 weights; bf16 gradients, fp32 master and moments sharded
+  ZeRO-3 (bf16)                    16/G   everything sharded
+  ZeRO-3 + CPU offload             ~0     on the GPU; about 18 N bytes of host memory in all
+  FSDP2 (fsdp.yaml, bf16)          16/G   fp32 weights, gradients and moments, all sharded
+Activations per token, bf16, flash attention (no T x T matrix): per layer about 24 d + 8 i bytes (the
+norms' fp32 copies, q/k/v, the attention output, the MLP's four i-wide tensors), plus the logits
+(bf16, their fp32 copy and its gradient: 10 V bytes). With gradient checkpointing only each layer's
+input (2 d bytes) stays, plus one layer recomputed at a time.
+"""
+
+import argparse
+
+import torch
+
+# name: (config class, its arguments): the published shapes
+MODELS = {
+    "Llama-3.2-1B": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                         tie_word_embeddings=True)),
+    "Llama-3.2-3B": ("LlamaConfig", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                         num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
+                                         tie_word_embeddings=True)),
+    "Llama-3.1-8B": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
+    "Qwen2.5-14B": ("Qwen2Config", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064)),
+    "Qwen2.5-32B": ("Qwen2Config", dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064)),
+}
+ENGINES = ("DDP", "ZeRO-2", "ZeRO-3", "ZeRO-3+off", "FSDP2")
+
+
+def parameters(name):
+    import transformers
+    kind, shape = MODELS[name]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, kind)(**shape))
+    return sum(p.numel() for p in model.parameters()), shape
+
+
+def rows(gpus=2, gpu_gb=80.0, tokens=4096):
+    """(name, parameters, {engine: model-state GB per GPU}, activation GB without/with checkpointing, fits)."""
+    for name in MODELS:
+        n, s = parameters(name)
+        d, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
+        states = {"DDP": 20 * n, "ZeRO-2": (2 + 14 / gpus) * n, "ZeRO-3": 16 / gpus * n, "ZeRO-3+off": 0.0,
+                  "FSDP2": 16 / gpus * n}
+        layer, logits = (24 * d + 8 * i) * tokens, 10 * vocab * tokens
+        plain, checkpointed = layers * layer + logits, layers * 2 * d * tokens + layer + logits
+        fits = {}
+        for engine, bytes_ in states.items():
+            fits[engine] = ("yes" if bytes_ + plain < gpu_gb * 1e9 else
+                            "GC" if bytes_ + checkpointed < gpu_gb * 1e9 else "no")
+        yield name, n, {k: v / 1e9 for k, v in states.items()}, plain / 1e9, checkpointed / 1e9, fits
+
+
+def table(gpus=2, gpu_gb=80.0, tokens=4096):
+    lines = [f"model states per GPU (GB) on {gpus} GPUs; activations (GB) at {tokens} tokens per GPU; fits in "
+             f"{gpu_gb:.0f} GB: yes, GC (only with --gradient-checkpointing), no; off host: host memory ZeRO-3+off needs",
+             f"{'model':<14}{'params':>8} " + "".join(f"{e:>11}" for e in ENGINES) + f"{'off host':>9}{'act':>7}{'act GC':>8}   fits: "
+             + " / ".join(ENGINES)]
+    for name, n, states, plain, checkpointed, fits in rows(gpus, gpu_gb, tokens):
+        lines.append(f"{name:<14}{n / 1e9:>7.2f}B " + "".join(f"{states[e]:>11.1f}" for e in ENGINES)
+                     + f"{18 * n / 1e9:>9.0f}{plain:>7.1f}{checkpointed:>8.1f}   " + " / ".join(fits[e] for e in ENGINES))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gpus", type=int, default=2, help="GPUs sharing the model states")
+    p.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU")
+    p.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per micro-batch per GPU (batch x length)")
+    a = p.parse_args()
+    print(table(a.gpus, a.gpu_gb, a.tokens_per_gpu))
