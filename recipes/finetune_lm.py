@@ -43,9 +43,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
-from datasets import load_dataset
 from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from runkit import Run, add_run_args
 
@@ -97,6 +95,7 @@ def encode_pair(prompt, response, eos, pad_id, block_size):
 def model_shape(name):
     """(config, parameter count, tokenizer, error), before any weight is read. Called before the Accelerator
     exists: under ZeRO-3 transformers would partition even a model on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # here: --help stays quick
     try:
         config, tokenizer = AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name)
         with torch.device("meta"):
@@ -108,6 +107,7 @@ def model_shape(name):
 
 def load_examples(args, run, accelerator, tokenizer, block_size):
     """(train, validation, format, source): tokenised examples of input_ids and labels, block_size long."""
+    from datasets import load_dataset
     if args.dataset:
         source, load = args.dataset, lambda: load_dataset(args.dataset, args.dataset_config, split="train")  # noqa: E731
         json_files = args.format != "text"
@@ -190,8 +190,7 @@ def greedy(model, accelerator, ids, tokens, eos):
 
 
 def refuse_whole_copies(run, accelerator, n_params):
-    """ZeRO-3 with zero3_init_flag off: every process loads the whole fp32 model before DeepSpeed partitions
-    it. Stop first, with the fix, when this machine's processes or one GPU cannot hold that."""
+    """ZeRO-3 with zero3_init_flag off loads the whole fp32 model on every process: stop if they cannot hold it."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3 or plugin.zero3_init_flag:
         return
@@ -219,6 +218,7 @@ def main(argv=None):
     if args.block_size > (context := getattr(config, "max_position_embeddings", None) or args.block_size):
         run.fail(f"--block-size {args.block_size} is longer than {args.model}'s context of {context} tokens; give less")
     refuse_whole_copies(run, accelerator, n_params)
+    from transformers import AutoModelForCausalLM
     train_set, val_set, fmt, source = load_examples(args, run, accelerator, tokenizer, args.block_size)
     try:
         with run.sharded_init(from_pretrained=True):  # ZeRO-3: partitioned while loaded; FSDP2: main's copy sharded
