@@ -7,29 +7,24 @@
     python tests/tiny_hf.py /tmp/tiny && python recipes/finetune_lm.py --model /tmp/tiny/model \\
         --data-files /tmp/tiny/pairs.jsonl --block-size 32 --max-steps 300 --batch-size 16 --lr 3e-3   # CPU
 
---model is a hub id or a local save_pretrained directory. The Accelerator exists before
-from_pretrained, so under ZeRO-3 with zero3_init_flag (deepspeed_zero3*.yaml) transformers loads
-the model already partitioned, and under FSDP2 prepare() shards the main process's copy
-(cpu_ram_efficient_loading). The summary gives the peak host and GPU memory of loading.
+--model: a hub id or a local save_pretrained directory. The Accelerator exists before from_pretrained:
+under ZeRO-3 with zero3_init_flag (deepspeed_zero3*.yaml) transformers loads the model partitioned;
+under FSDP2 prepare() shards the main process's copy. The summary has the loading's peak memory.
 
-Data through `datasets`: --data-files (text or JSON Lines files, globs, comma-separated) or
---dataset (hub, when online). JSON records are prompt/response pairs (--prompt-column,
---response-column): the loss covers the response and its end-of-sequence token only, and each
-example is padded to --block-size. Text is tokenised and packed into blocks of --block-size
-tokens, all in the loss. Padding never counts: labels are set by position, not by token id.
+Data through `datasets`: --data-files (text or JSON Lines, globs, comma-separated) or --dataset (hub).
+JSON records are prompt/response pairs, padded to --block-size, the loss on the response and its
+end-of-sequence token only; text is packed into blocks. Labels are set by position, not token id:
+padding never counts. The result, OUTPUT_DIR/model, is save_pretrained (safetensors) with the
+tokenizer, gathered from every rank. tokens/s counts every position (padding too); MFU: --peak-tflops.
 
-The result is OUTPUT_DIR/model: save_pretrained with safetensors and the tokenizer, gathered from
-every rank under ZeRO-3 and FSDP2, loadable with from_pretrained. tokens/s counts every position
-of a block (padding included); MFU needs --peak-tflops.
+Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
+fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3
+or FSDP2 with it, 14B only under ZeRO-3 with CPU offload.
 
-Memory on 2x80 GB (docs/recipes.md: the table, computed from parameter counts): a full AdamW
-fine-tune of 3B fits under every engine, 8B needs ZeRO-3 or FSDP2, 14B ZeRO-3 with CPU offload.
-
-Results (measured 2026-11-23 on a 2-core CPU machine without GPU, fp32, one core): the CPU command
-above (tests/tiny_hf.py's random 2-layer Llama, 600 arithmetic pairs) takes the response loss
-from 5.74 to 0.39 (validation 0.37) in 5 s at 59k tokens/s, and answers "what is 6 plus 6?" with
-"It is 12.". DDP, ZeRO-1/2/3 and FSDP2 on 2 processes follow the 1-process losses step by step
-(tests/). No GPU figures: none was available.
+Results (measured 2026-11-23, 2-core CPU machine without GPU, fp32, one core): the CPU command above
+(tests/tiny_hf.py's random 2-layer Llama, 600 arithmetic pairs) takes the response loss from 5.74 to
+0.39 (validation 0.37) in 5 s at 59k tokens/s and answers "what is 6 plus 6?" with "It is 12.". Every
+config follows the 1-process losses step by step (tests/). No GPU figures: none was available.
 """
 
 import argparse
@@ -98,6 +93,8 @@ def model_shape(name):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # here: --help stays quick
     try:
         config, tokenizer = AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+        if tokenizer.eos_token_id is None:
+            raise ValueError("its tokenizer has no end-of-sequence token, which marks where a response ends")
         with torch.device("meta"):
             return config, sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()), tokenizer, None
     except (OSError, ValueError) as exc:
@@ -134,23 +131,25 @@ def load_examples(args, run, accelerator, tokenizer, block_size):
         blocks = [stream[i:i + block_size] for i in range(0, len(stream) // block_size * block_size, block_size)]
         return {"input_ids": blocks, "labels": blocks, "in_loss": [block_size - 1] * len(blocks)}
 
+    problem, split = None, None
     with accelerator.main_process_first():  # the main process tokenises and caches; the others reuse its cache
-        try:
+        try:  # a problem is reported after the block, by every rank: a rank leaving inside it strands the others
             raw = load()
+            needed = [args.prompt_column, args.response_column] if fmt == "pairs" else [args.text_column]
+            if missing := [c for c in needed if c not in raw.column_names]:
+                problem = (f"{source!r} has the columns {raw.column_names}, not {missing}: name them with " + (
+                    "--prompt-column and --response-column, or use --format text" if fmt == "pairs" else "--text-column"))
         except Exception as exc:
-            run.fail(f"could not load {source!r} ({type(exc).__name__}: {exc}). Offline, use --data-files")
-        needed = [args.prompt_column, args.response_column] if fmt == "pairs" else [args.text_column]
-        missing = [c for c in needed if c not in raw.column_names]
-        if missing:
-            run.fail(f"{source!r} has the columns {raw.column_names}, not {missing}: name them with "
-                     + ("--prompt-column and --response-column, or use --format text" if fmt == "pairs" else "--text-column"))
-        data = raw.map(pairs if fmt == "pairs" else packed, batched=True, remove_columns=raw.column_names,
-                       desc="tokenising")
-        data = data.filter(lambda e: e["in_loss"] > 0, desc="dropping cut-off responses")
-        if len(data) >= 20:
-            split = data.train_test_split(test_size=0.05, seed=args.seed)  # cached too: the same on every rank
-    if len(data) < 20:
-        run.fail(f"{source!r} gives only {len(data)} examples of at most {block_size} tokens; give more data")
+            problem = f"could not load {source!r} ({type(exc).__name__}: {exc}). Offline, use --data-files"
+        if not problem:
+            data = raw.map(pairs if fmt == "pairs" else packed, batched=True, remove_columns=raw.column_names,
+                           desc="tokenising").filter(lambda e: e["in_loss"] > 0, desc="dropping cut-off responses")
+            if len(data) >= 20:
+                split = data.train_test_split(test_size=0.05, seed=args.seed)  # cached too: the same on every rank
+            else:
+                problem = f"{source!r} gives only {len(data)} examples of at most {block_size} tokens; give more data"
+    if problem:
+        run.fail(problem)
     return split["train"].with_format("torch"), split["test"].with_format("torch"), fmt, source
 
 
@@ -198,7 +197,7 @@ def refuse_whole_copies(run, accelerator, n_params):
     with open("/proc/meminfo") as f:
         free_gb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) * 1024 / 1e9
     gpu_gb = torch.cuda.get_device_properties(accelerator.device).total_memory / 1e9 if torch.cuda.is_available() else math.inf
-    if whole_gb * local > free_gb or whole_gb > gpu_gb:
+    if broadcast(torch.tensor([float(whole_gb * local > free_gb or whole_gb > gpu_gb)], device=accelerator.device)):
         run.fail(f"ZeRO-3 with zero3_init_flag off loads the whole model on every process first: {whole_gb:.1f} GB in fp32"
                  f" x {local} processes here, with {free_gb:.1f} GB of host memory free and {gpu_gb:.0f} GB per GPU. Set "
                  f"zero3_init_flag: true in the config (deepspeed_zero3.yaml has it) or pass --zero3_init_flag true")
@@ -287,8 +286,9 @@ def main(argv=None):
     model_dir = os.path.join(args.output_dir, "model")
 
     def export(weights):  # main process: a directory from_pretrained loads, with the tokenizer
-        accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(  # accelerate
-            model_dir, state_dict={k: v.to(getattr(torch, args.save_dtype)) for k, v in weights.items()})
+        plain, dtype = accelerator.unwrap_model(model, keep_torch_compile=False), getattr(torch, args.save_dtype)  # accelerate
+        plain.config.use_cache, plain.config.dtype = True, dtype  # a config for generating, in the saved dtype
+        plain.save_pretrained(model_dir, state_dict={k: v.to(dtype) for k, v in weights.items()})
         tokenizer.save_pretrained(model_dir)
         return model_dir
     return run.finish(model, export=export, exported_dtype=args.save_dtype, base_model=args.model, data_format=fmt,

@@ -26,7 +26,7 @@ STEPS, BATCH, BLOCK = 8, 16, 32
 @pytest.fixture(scope="session")
 def hf(tmp_path_factory):
     """The tiny model (tokenizer with a pad token), a copy whose pad token is its end-of-sequence token,
-    the data files, and a 'model' the size of Llama 3.1 70B: its config.json only."""
+    the data files, and a 'model' the size of Llama 3.1 70B: its config.json and the tiny tokenizer, no weights."""
     root = write_all(tmp_path_factory.mktemp("tiny_hf"))
     shutil.copytree(root / "model", root / "model_pad_is_eos")
     config_path = root / "model_pad_is_eos" / "tokenizer_config.json"
@@ -38,6 +38,8 @@ def hf(tmp_path_factory):
                num_key_value_heads=8, vocab_size=128256)
     (root / "big").mkdir()
     (root / "big" / "config.json").write_text(json.dumps(big))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(root / "model" / name, root / "big" / name)
     return root
 
 
@@ -193,17 +195,18 @@ def test_stop_signal_exits_75_and_resumes(hf, tmp_path):
 
 @pytest.mark.slow
 def test_each_input_error_is_one_clear_message(finetune, hf, tmp_path):
-    questions = tmp_path / "qa.jsonl"
-    questions.write_text("".join(json.dumps({"question": p, "answer": r}) + "\n" for p, r in corpus(40)))
     offline = {"HF_HUB_OFFLINE": "1"}
     for args, env, words in [
         (["--model", "no-such-org/no-such-model"], offline, "cannot load model 'no-such-org/no-such-model'"),
-        (["--data-files", str(questions)], {}, "not ['prompt', 'response']: name them with --prompt-column"),
         (["--block-size", "4096"], {}, "longer than"),
     ]:
         out = tmp_path / f"out{len(words)}"
         cmd = [sys.executable, "recipes/finetune_lm.py", *training(hf), "--output-dir", str(out), *args]
         assert_refused(Run(*run_command(cmd, env=env), out), words)
+    # Columns that are not there, found by the main process while the other waits for its cache: both leave.
+    (hf / "qa.jsonl").write_text("".join(json.dumps({"question": p, "answer": r}) + "\n" for p, r in corpus(40)))
+    columns = finetune("2gpu.yaml", data="qa.jsonl", check=False)
+    assert_refused(columns, "not ['prompt', 'response']: name them with --prompt-column")
     # ZeRO-3 without zero3_init_flag: every process would load all 70B parameters first.
     big = finetune("deepspeed_zero3.yaml", model="big", check=False,
                    launch_args=("--mixed_precision", "no", "--zero3_init_flag", "false"))
