@@ -29,13 +29,7 @@ Memory per GPU on 2x80 GB (docs/recipes.md has the table per preset and engine):
 largest preset that fits is 2.7B under DDP, 6.7B under ZeRO-1/2/3, and 13B only with ZeRO-3
 and CPU offload. Under ZeRO-3 and FSDP the model is built sharded (run.sharded_init()).
 
-Results (measured 2026-11-23 on a 2-core CPU machine without GPU, fp32):
-`python recipes/gpt.py --preset tiny --max-steps 200` (the standard library's sources,
-71k blocks of 64 bytes, global batch 32) takes the loss from 5.41 to 2.71 (validation
-2.74) at 48k tokens/s on one core (OMP_NUM_THREADS=1); the sample is still byte soup with Python's
-indentation. DDP, ZeRO-1/2/3 and FSDP follow the 1-process losses step by step
-(tests/), and under ZeRO-3 each rank holds half of the parameters. No GPU figures:
-none was available.
+Result: --preset tiny --max-steps 200: loss 5.41 to 2.71, measured 2026-11-23 on a 2-core CPU (docs/recipes.md).
 """
 
 import argparse
@@ -62,6 +56,12 @@ PRESETS = {"tiny": (2, 2, 64, 64), "124M": (12, 12, 768, 1024), "350M": (24, 16,
 VOCAB, SEPARATOR = 256, 0  # bytes; a 0 byte between documents
 
 
+# Flags a resumed run may change: they act after training or only on what is reported.
+AFTER_TRAINING = {"prompt": "the sample at the end", "sample_tokens": "the sample at the end",
+                  "temperature": "the sample at the end", "top_k": "the sample at the end",
+                  "peak_tflops": "MFU's denominator"}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -81,15 +81,14 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=float, default=0.0, help="dropout in attention and MLP")
     p.add_argument("--eval-every", type=int, default=250, help="validation loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=20, help="global batches of held-out text per evaluation")
-    p.add_argument("--peak-tflops", type=float, default=0.0, help="peak TFLOP/s of ONE GPU, for MFU (H100 SXM bf16: 989)")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="peak TFLOP/s of ONE GPU, for MFU (H100 SXM bf16: 989)")
     p.add_argument("--prompt", default="def ", help="text to continue at the end")
     p.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate (0: no sample)")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes")
     p.add_argument("--seed", type=int, default=1337, help="weights and shuffling")
-    p.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps")
-    p.add_argument("--output-dir", default="runs/gpt", help="summary.json, metrics.jsonl, model.safetensors")
-    add_run_args(p)
+    add_run_args(p, "gpt", log_every=10)
     return p.parse_args(argv)
 
 
@@ -162,7 +161,8 @@ def load_blocks(args, accelerator, run, block_size):
         source, column = args.dataset, args.text_column
         load = lambda: load_dataset(args.dataset, args.dataset_config, split="train")  # noqa: E731
     else:
-        patterns = args.data_files.split(",") if args.data_files else [os.path.join(sysconfig.get_paths()["stdlib"], "*.py")]
+        stdlib = os.path.join(sysconfig.get_paths()["stdlib"], "*.py")
+        patterns = args.data_files.split(",") if args.data_files else [stdlib]
         files = sorted(f for pattern in patterns for f in glob.glob(os.path.expanduser(pattern)))
         if not files:
             run.fail(f"--data-files {args.data_files!r} matches no file; give paths or globs of text files")
@@ -224,10 +224,12 @@ def generate(model, accelerator, prompt, tokens, temperature, top_k, block_size)
 
 def main(argv=None):
     args = parse_args(argv)
-    run = Run("gpt", args, unit="tokens")  # first: a stop signal may come during start-up
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, dataloader_config=DataLoaderConfiguration(  # accelerate
-        split_batches=True, use_seedable_sampler=True), log_with=run.tracker, project_dir=args.output_dir)
-    run.setup(accelerator)
+    run = Run("gpt", args, unit="tokens", may_change=AFTER_TRAINING)  # first: a stop may come during start-up
+    accelerator = Accelerator(  # accelerate
+        gradient_accumulation_steps=args.grad_accum,
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
+        log_with=run.tracker)
+    run.setup(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum, max_grad_norm=args.max_grad_norm)
     set_seed(args.seed)
     world = accelerator.num_processes
     layers, heads, d, block_size = PRESETS[args.preset]
@@ -263,13 +265,11 @@ def main(argv=None):
     state_gb = n_params * {None: 20, 1: 4 + 12 / world, 2: 2 + 14 / world, 3: 16 / world}[stage] / 1e9
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
               epochs=math.ceil(total_steps / steps_per_epoch), samples_per_micro=micro * block_size,
-              flops_per_unit=flops_per_token, eval_every=args.eval_every,
+              flops_per_unit=flops_per_token, peak_tflops=args.peak_tflops, eval_every=args.eval_every,
               evaluate=lambda: evaluate(model, val_loader, accelerator, args.eval_batches),
               describe=f"preset {args.preset}: {n_params / 1e6:.2f} M parameters, model states about {state_gb:.2f} GB "
                        f"per process | text: {source}, {len(train_set)} blocks of {block_size}",
-              must_match={"source": source, "train_blocks": len(train_set), "block_size": block_size, **{
-                  k: getattr(args, k) for k in ("preset", "batch_size", "grad_accum", "lr", "warmup_steps",
-                                                "max_steps", "weight_decay", "seed")}})
+              data_facts={"source": source, "train_blocks": len(train_set)})
 
     for batches in run.epochs(train_loader):  # resumes mid-epoch; checkpoints at each epoch's end
         for blocks in batches:

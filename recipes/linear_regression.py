@@ -24,19 +24,17 @@ run is then the same computation as on one process and needs the same learning r
 and with --compare-batch-sizes the paths of batch size 1, this mini-batch and the full
 batch computed on the main process for comparison, as in the lab.
 
-Results (defaults: 1024 points of y = 2x - 1 + N(0, 0.5^2), global batch 32, SGD lr 0.1,
-5 epochs; measured 2026-11-22 on a 2-core CPU machine without GPU, fp32): m = 1.99,
-n = -0.98 after 160 steps, against the least-squares fit m = 2.01, n = -1.00 (full-data
-loss 0.2556 vs 0.2551: SGD's noise at a fixed rate); the same (m, n) at every step on
-1 process and on 2 (DDP, ZeRO-1/2/3, FSDP), as tests/ check.
+Defaults: 1024 points of y = 2x - 1 + N(0, 0.5^2), global batch 32, SGD lr 0.1, 5 epochs.
 Not for deepspeed_zero3_offload.yaml: optimizer offload replaces SGD by DeepSpeed's CPU Adam.
+
+Result: m = 1.99, n = -0.98 in 160 steps (least squares 2.01, -1.00), measured 2026-11-22, 2-core CPU (docs/recipes.md).
 """
 
 import argparse
+import json
 import math
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +42,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from runkit import checkpoints, checks, reporting, stopping
-from runkit.run import resumable_epochs
+from runkit import Run, add_run_args
 
 
 def parse_args(argv=None):
@@ -63,13 +60,10 @@ def parse_args(argv=None):
     p.add_argument("--init-m", type=float, default=-1.0, help="starting slope (the lab starts far from the fit)")
     p.add_argument("--init-n", type=float, default=2.0, help="starting intercept")
     p.add_argument("--seed", type=int, default=0, help="data and shuffling")
-    p.add_argument("--log-every", type=int, default=20, help="print (m, n) every N steps (all go to metrics.jsonl)")
     p.add_argument("--plot", action="store_true", help="write trajectory.png (needs matplotlib)")
     p.add_argument("--compare-batch-sizes", action="store_true",
                    help="add the trajectories of batch size 1, this batch and the full batch to the plot")
-    p.add_argument("--output-dir", default="runs/linear_regression", help="summary.json, metrics.jsonl, trajectory.png")
-    checkpoints.add_checkpoint_args(p)
-    reporting.add_observability_args(p)
+    add_run_args(p, "linear_regression", log_every=20)  # every step's (m, n) goes to metrics.jsonl
     return p.parse_args(argv)
 
 
@@ -123,17 +117,23 @@ def plot(path, x, y, args, filename):
     plt.close(fig)
 
 
+def current_line(model, accelerator):
+    """Collective: (m, n) on every rank. Under ZeRO-3 and FSDP each rank holds only a shard of them, and the
+    gathered weights reach the main process only; it passes them on."""
+    state = accelerator.get_state_dict(model)
+    line = [state["weight"].item(), state["bias"].item()] if accelerator.is_main_process else [0.0, 0.0]
+    return tuple(broadcast(torch.tensor(line, dtype=torch.float64, device=accelerator.device)).tolist())
+
+
 def main(argv=None):
     args = parse_args(argv)
-    t_start = time.perf_counter()
-    stopper = stopping.GracefulStop(args.stop_signals, args.stop_check_every)
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
-                              log_with="tensorboard" if args.report_to == "tensorboard" else None, project_dir=args.output_dir)
-    checks.check_launch(accelerator)
-    log = checks.main_print(accelerator)
-    setup = checks.engine(accelerator)
-    checks.refuse_optimizer_offload(accelerator, "this lab is about SGD", "deepspeed_zero3.yaml (or any config without offload)")
-    checks.check_batch(accelerator, args.batch_size)
+    run = Run("linear_regression", args, may_change={"plot": "drawn after training",
+                                                     "compare_batch_sizes": "drawn after training"})
+    accelerator = Accelerator(  # accelerate
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
+        log_with=run.tracker)
+    run.setup(accelerator, batch_size=args.batch_size,  # max_grad_norm 0: the lab is plain SGD, no clipping
+              refuse_offload=("this lab is about SGD", "deepspeed_zero3.yaml (or any config without offload)"))
     set_seed(args.seed)
     x, y = make_points(args)
     loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True, drop_last=True)
@@ -141,91 +141,40 @@ def main(argv=None):
     with torch.no_grad():
         model.weight.fill_(args.init_m)
         model.bias.fill_(args.init_n)
-    world = accelerator.num_processes
-    sgd = torch.optim.SGD(model.parameters(), lr=args.lr * (world if args.scale_lr else 1))
-    checks.deepspeed_clip_like(accelerator, 0.0)  # the lab is plain SGD: no clipping
-    model, optimizer, loader = accelerator.prepare(model, sgd, loader)
-    optimizer_name = checks.stepping_optimizer(optimizer)
-    steps_per_epoch, total_steps = len(loader), len(loader) * args.epochs
-    log(f"{setup['distributed_type']} | {world} processes | mixed precision {setup['mixed_precision']} | ZeRO stage "
-        f"{setup['deepspeed_stage'] or '-'} | {optimizer_name} lr {optimizer.param_groups[0]['lr']:g} | global batch "
-        f"{args.batch_size} ({args.batch_size // world} per process) | {total_steps} steps")
-
-    def current_line(model):
-        # Collective: under ZeRO-3 and FSDP each rank holds only a shard of (m, n), and the gathered
-        # weights reach the main process only; it passes them on, so every rank logs the same line.
-        state = accelerator.get_state_dict(model)
-        line = [state["weight"].item(), state["bias"].item()] if accelerator.is_main_process else [0.0, 0.0]
-        return tuple(broadcast(torch.tensor(line, dtype=torch.float64, device=accelerator.device)).tolist())
-
-    checkpointer = checkpoints.Checkpointer(accelerator, args.checkpoint_dir, args.keep_last, must_match={
-        k: getattr(args, k) for k in ("num_points", "true_m", "true_n", "noise", "batch_size", "lr", "scale_lr",
-                                      "epochs", "init_m", "init_n", "seed")})
-    progress = {"epoch": 0, "step_in_epoch": 0, "step": 0, "path": [[args.init_m, args.init_n]], "train_time": 0.0}
-    progress.update(checkpointer.resume(args.resume) or {})
-    step, path = progress["step"], progress["path"]
-    metrics = reporting.MetricsLog(accelerator, args.output_dir, step)
-    reporting.start_tracking(accelerator, args)
-    profiler = reporting.StepProfiler(accelerator, args.profile, args.output_dir)
+    lr = args.lr * (accelerator.num_processes if args.scale_lr else 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # accelerate
     input_dtype = next(model.parameters()).dtype  # bf16 under DeepSpeed bf16
-    stop_now, train_start = False, time.perf_counter()
-    for epoch, done, batches in resumable_epochs(accelerator, loader, progress, args.epochs, steps_per_epoch):
-        step_in_epoch = done
+    run.start(model, optimizer, None, steps_per_epoch=len(loader), total_steps=len(loader) * args.epochs,
+              epochs=args.epochs, samples_per_micro=args.batch_size, describe=f"SGD lr {lr:g}")
+
+    for batches in run.epochs(loader):  # resumes mid-epoch; checkpoints at each epoch's end
         for xb, yb in batches:
             loss = F.mse_loss(model(xb.to(input_dtype)).float(), yb)
-            accelerator.backward(loss)
+            accelerator.backward(loss)  # accelerate
             optimizer.step()
             optimizer.zero_grad()
-            step, step_in_epoch = step + 1, step_in_epoch + 1
-            profiler.step()
-            m, n = current_line(model)
-            path.append([m, n])
-            batch_loss = accelerator.reduce(loss.detach(), "mean").item()
-            metrics.write({"step": step, "epoch": epoch, "m": m, "n": n, "batch_loss": batch_loss,
-                           "lr": optimizer.param_groups[0]["lr"]})
-            if step % args.log_every == 0 or step in (1, total_steps):
-                log(f"epoch {epoch} step {step}/{total_steps} | m {m:+.6f} n {n:+.6f} | batch loss {batch_loss:.5f}")
-            stop_now = stopper.agreed(accelerator)
-            finished = step_in_epoch == steps_per_epoch
-            if args.checkpoint_dir and (stop_now or finished or (args.checkpoint_every and step % args.checkpoint_every == 0)):
-                checkpointer.save(step, {"epoch": epoch + finished, "step_in_epoch": 0 if finished else step_in_epoch,
-                                         "step": step, "path": path,
-                                         "train_time": progress["train_time"] + time.perf_counter() - train_start})
-            if stop_now:
+            m, n = current_line(model, accelerator)
+            if run.step(loss, m=m, n=n):  # a stop signal, or the last step
                 break
-        if stop_now:
-            break
-    train_time = progress["train_time"] + time.perf_counter() - train_start
-    profiler.stop()
-    if stop_now:
-        code = stopping.stopped(accelerator, stopper, step, args.checkpoint_dir)
-        del model, optimizer, loader
-        checks.finish(accelerator)
-        return code
-    m, n = current_line(model)
-    if accelerator.is_main_process:
-        # The exact least-squares line, for comparison: what SGD should approach.
-        design = torch.cat([x, torch.ones_like(x)], 1).double()
-        fit_m, fit_n = torch.linalg.lstsq(design, y.double()).solution.flatten().tolist()
-        full_loss = mse_landscape(x.double(), y.double(), m, n).item()
-        log(f"fitted y = {m:.4f} x {n:+.4f} (least squares: {fit_m:.4f} x {fit_n:+.4f}; true {args.true_m} x "
-            f"{args.true_n:+}) | full-data loss {full_loss:.5f} (least squares "
-            f"{mse_landscape(x.double(), y.double(), fit_m, fit_n).item():.5f})")
-        if args.plot:
-            plot(path, x, y, args, os.path.join(args.output_dir, "trajectory.png"))
-            log(f"wrote {os.path.join(args.output_dir, 'trajectory.png')}")
-        metrics.close()
-        if args.report_to != "none":
-            log(f"curves: {reporting.plot_curves(args.output_dir, 'linear regression')}")
-        reporting.write_summary(args.output_dir, {
-            "recipe": "linear_regression", **setup, "optimizer": optimizer_name, "steps": step,
-            "resumed_from_step": progress["step"] or None, "m": m, "n": n, "full_loss": full_loss,
-            "least_squares": {"m": fit_m, "n": fit_n}, "distance_to_least_squares": math.hypot(m - fit_m, n - fit_n),
-            "samples_per_s": step * args.batch_size / train_time if step else 0.0,
-            "wall_time_s": time.perf_counter() - t_start, "args": vars(args)})
-    del model, optimizer, loader
-    checks.finish(accelerator)
-    return 0
+    if run.stopping:
+        return run.finish(model)
+    m, n = current_line(model, accelerator)
+    # The exact least-squares line, for comparison: what SGD should approach.
+    design = torch.cat([x, torch.ones_like(x)], 1).double()
+    fit_m, fit_n = torch.linalg.lstsq(design, y.double()).solution.flatten().tolist()
+    full_loss = mse_landscape(x.double(), y.double(), m, n).item()
+    run.print(f"fitted y = {m:.4f} x {n:+.4f} (least squares: {fit_m:.4f} x {fit_n:+.4f}; true {args.true_m} x "
+              f"{args.true_n:+}) | full-data loss {full_loss:.5f} (least squares "
+              f"{mse_landscape(x.double(), y.double(), fit_m, fit_n).item():.5f})")
+    if args.plot and accelerator.is_main_process:
+        # The whole path, earlier runs of a resumed one included, is in metrics.jsonl.
+        with open(os.path.join(run.output_dir, "metrics.jsonl")) as f:
+            path = [(args.init_m, args.init_n)] + [(r["m"], r["n"]) for r in map(json.loads, f)]
+        plot(path, x, y, args, os.path.join(run.output_dir, "trajectory.png"))
+        run.print(f"wrote {os.path.join(run.output_dir, 'trajectory.png')}")
+    return run.finish(model, m=m, n=n, full_loss=full_loss, least_squares={"m": fit_m, "n": fit_n},
+                      distance_to_least_squares=math.hypot(m - fit_m, n - fit_n))
 
 
 if __name__ == "__main__":

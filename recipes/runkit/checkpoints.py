@@ -1,6 +1,7 @@
 """Checkpoints that lose nothing: save, verify, choose and load them.
 
-Owns --checkpoint-dir, its layout and its rotation; the run object (run.py) decides when to save.
+Owns --checkpoint-dir: its lock, its layout, saving, choosing and loading, and rotation. When to save is
+the run object's decision (run.py, Run._checkpoint_due); what a resumed run may change is resume_rules.py's.
 
 Layout of --checkpoint-dir:
 
@@ -31,10 +32,21 @@ from accelerate.utils import DistributedType, broadcast_object_list, gather_obje
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException  # FSDP's sharded saves and loads raise it
 
-from .checks import engine, fail
 from .dirlock import take
-from .integrity import (MANIFEST, UnsafeCheckpointFile, check_files, check_loadable, file_table, fsync,
-                        incompatibility, listing, my_share, read_manifest, weights_only_loading)
+from .exits import fail
+from .integrity import (
+    MANIFEST,
+    UnsafeCheckpointFile,
+    check_files,
+    check_loadable,
+    file_table,
+    fsync,
+    listing,
+    my_share,
+    read_manifest,
+    weights_only_loading,
+)
+from .resume_rules import incompatibility, layout
 from .stopping import add_stop_args
 
 NAME = re.compile(r"^step-(\d{8})$")
@@ -56,8 +68,8 @@ def add_checkpoint_args(parser):
     group.add_argument("--checkpoint-dir", default=None,
                        help="save checkpoints here (must be storage every node sees); off when not given")
     group.add_argument("--checkpoint-every", type=count, default=0,
-                       help="also save every N optimizer steps (a checkpoint is always saved at the end of "
-                            "each epoch and when stopped by a signal)")
+                       help="save every N optimizer steps instead of at each epoch's end (0: at each epoch's end); "
+                            "the last step and a stop by a signal are always saved")
     group.add_argument("--keep-last", type=count, default=2, help="complete checkpoints to keep (0: keep all)")
     group.add_argument("--resume", default="auto",
                        help="auto: newest complete checkpoint in --checkpoint-dir, if any; none: start fresh "
@@ -65,41 +77,37 @@ def add_checkpoint_args(parser):
     add_stop_args(group)
 
 
-def _layout(accelerator):
-    """What decides whether a checkpoint's files can be read back by this run."""
-    # 1 process and DDP store the same full state; DeepSpeed and FSDP store their own formats.
-    family = {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(
-        accelerator.distributed_type, "full")
-    return {"family": family, "zero_stage": engine(accelerator)["deepspeed_stage"],
-            "world_size": accelerator.num_processes}
+def agree(accelerator, main_result):
+    """Collective: broadcast the main process's (value, error) to every rank; every rank fails on an error."""
+    box = [main_result]
+    broadcast_object_list(box)
+    value, error = box[0]
+    if error:
+        fail(accelerator, error)
+    return value
+
+
+def lock_directory(accelerator, directory):
+    """Collective: take --checkpoint-dir's lock (one writer per directory) on the main process, at start-up,
+    so a second run on it stops in seconds, before it loads data or a model. Returns the lock (main process)."""
+    lock, error = take(directory) if accelerator.is_main_process else (None, None)
+    agree(accelerator, (None, error))
+    return lock
 
 
 class Checkpointer:
-    def __init__(self, accelerator, directory, keep_last, must_match, model=None):
-        """Collective. must_match: the recipe's settings a resumed run must share (batch size, seed...).
-        Takes the directory's lock (one writer per directory) and clears saves that never finished."""
-        self.accelerator, self.directory, self.keep_last, self.model = accelerator, directory, keep_last, model
-        self.must_match = must_match
+    def __init__(self, accelerator, directory, keep_last, must_match, model, lock):
+        """must_match: the settings a resumed run must share (resume_rules.settings); model: the prepared model,
+        whose per-rank buffers FSDP needs kept; lock: lock_directory()'s, taken at start-up."""
+        self.accelerator, self.directory, self.keep_last = accelerator, directory, keep_last
+        self.must_match, self.model, self.lock = must_match, model, lock
         self.last_saved_step = None
         self.times = {"saves": 0, "save_write_s": 0.0, "save_checksum_s": 0.0, "resume_verify_s": None,
                       "resume_load_s": None}
-        self.lock = None
-        if directory:
-            self.lock, error = take(directory) if accelerator.is_main_process else (None, None)
-            self._agree((None, error))
 
     def _complete(self):
         names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
         return sorted((int(m.group(1)), os.path.join(self.directory, n)) for n in names if (m := NAME.match(n)))
-
-    def _agree(self, main_result):
-        """Broadcast the main process's (value, error) to every rank; every rank fails on an error."""
-        box = [main_result]
-        broadcast_object_list(box)
-        value, error = box[0]
-        if error:
-            fail(self.accelerator, error)
-        return value
 
     def _all_ranks(self, *problems):
         """Collective: for each kind of problem (a string or None per rank), the first rank's, or None."""
@@ -109,12 +117,10 @@ class Checkpointer:
                      None) for i in range(len(problems))]
 
     def save(self, step, train_state):
-        """Collective. Skipped when this step is already saved (e.g. end of epoch right after --checkpoint-every)."""
-        if step == self.last_saved_step:
-            return
+        """Collective: write step-NNNNNNNN, verify and publish it, then rotate the older ones."""
         acc, name = self.accelerator, f"step-{step:08d}"
         final, tmp = os.path.join(self.directory, name), os.path.join(self.directory, f".tmp-{name}")
-        self._agree((None, self.lock.lost() if self.lock else None))  # another run took the directory over
+        agree(self.accelerator, (None, self.lock.lost() if self.lock else None))  # another run took the directory over
         started = time.perf_counter()
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this step
@@ -147,7 +153,8 @@ class Checkpointer:
         error = None
         if acc.is_main_process:
             try:
-                missing = [r for r in range(acc.num_processes) if not os.path.exists(os.path.join(tmp, f"rank-{r}.done"))]
+                missing = [r for r in range(acc.num_processes)
+                           if not os.path.exists(os.path.join(tmp, f"rank-{r}.done"))]
                 if missing:
                     raise RuntimeError(f"ranks {missing} wrote their part of the checkpoint somewhere the main "
                                        f"process cannot see: --checkpoint-dir {self.directory!r} must be on "
@@ -159,7 +166,7 @@ class Checkpointer:
                     files.update(part)
                 unhashed = sorted(set(seen) - set(files))  # seen only by this rank (none on shared storage)
                 files.update(file_table(tmp, unhashed))
-                manifest = {"step": step, "layout": _layout(acc), "must_match": self.must_match,
+                manifest = {"step": step, "layout": layout(acc), "must_match": self.must_match,
                             "train_state": train_state, "files": files}
                 with open(os.path.join(tmp, MANIFEST), "w") as f:
                     json.dump(manifest, f, indent=1)
@@ -173,7 +180,7 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)  # a full disk: give back what this save took
             except RuntimeError as exc:
                 error = str(exc)
-        self._agree((None, error))
+        agree(self.accelerator, (None, error))
         self.last_saved_step = step
         done = time.perf_counter()
         self.times["saves"] += 1
@@ -189,15 +196,15 @@ class Checkpointer:
                     print(f"warning: --keep-last {self.keep_last}: saved {final}, but could not remove the older "
                           f"checkpoint {old} ({exc}); remove it by hand", file=sys.stderr, flush=True)
 
-    def resume(self, spec):
-        """Collective. Load the checkpoint `spec` names and return its training state, or None to start fresh."""
+    def choose(self, spec):
+        """Collective. The checkpoint `spec` names (auto: the newest usable one), checked by every rank for
+        compatibility, checksums and loadability, as (path, manifest); None to start fresh."""
         acc = self.accelerator
         started = time.perf_counter()
         result = (None, None)
         if acc.is_main_process:
             result = self._refuse_fresh_start() if spec == "none" else self._candidates(spec)
-        candidates, held = self._agree(result) or ([], 0)
-        path = manifest = None
+        candidates, held = agree(acc, result) or ([], 0)
         for path, manifest in candidates:
             self._check_compatible(path, manifest)
             mine = my_share(list(manifest["files"]), acc.process_index, acc.num_processes)
@@ -211,19 +218,22 @@ class Checkpointer:
                 fail(acc, f"checkpoint {path} cannot be used: {unsafe}. This code never writes such a file: find "
                           f"out who did, and do not load it by other means.")
             if not damage:
-                break
+                self.times["resume_verify_s"] = time.perf_counter() - started
+                return path, manifest
             if spec != "auto":
                 fail(acc, f"checkpoint {path} cannot be used: {damage}. Pick another one, or --resume auto "
                           f"for the newest complete one.")
             if acc.is_main_process:
                 print(f"warning: skipping checkpoint {path}: {damage}", file=sys.stderr, flush=True)
-            path = None
-        if path is None:
-            if held:  # starting fresh would rotate them away
-                fail(acc, f"--resume auto: none of the {held} checkpoint(s) in {self.directory} can be used (the "
-                          f"warnings above say why). Give another --checkpoint-dir, or remove them.")
-            return None
-        verified = time.perf_counter()
+        if held:  # starting fresh would rotate them away
+            fail(acc, f"--resume auto: none of the {held} checkpoint(s) in {self.directory} can be used (the "
+                      f"warnings above say why). Give another --checkpoint-dir, or remove them.")
+        return None
+
+    def load(self, path, manifest):
+        """Collective: load a checkpoint choose() returned into the prepared objects; returns its training state."""
+        acc = self.accelerator
+        started = time.perf_counter()
         try:
             with weights_only_loading():  # again while loading: a file swapped since the check runs no code either
                 acc.load_state(path)
@@ -232,8 +242,7 @@ class Checkpointer:
             print(f"error: checkpoint {path} cannot be loaded: {(str(exc).splitlines() or [''])[0][:300]}. Remove "
                   f"it, or resume from another one.", file=sys.stderr, flush=True)
             sys.exit(2)
-        self.times["resume_verify_s"] = verified - started
-        self.times["resume_load_s"] = time.perf_counter() - verified
+        self.times["resume_load_s"] = time.perf_counter() - started
         self.last_saved_step = manifest["step"]
         if acc.is_main_process:
             print(f"resumed from {path} (step {manifest['step']}, written by {manifest['layout']['world_size']} "
@@ -244,20 +253,20 @@ class Checkpointer:
 
     # FSDP's sharded checkpoint keeps one copy of a buffer, but BatchNorm statistics differ per rank: keep each.
     def _save_rank_buffers(self, root):
-        if self.model is not None and self.accelerator.distributed_type == DistributedType.FSDP:
+        if self.accelerator.distributed_type == DistributedType.FSDP:
             buffers = {name: b.detach().cpu().contiguous() for name, b in self.model.named_buffers()}
             save_file(buffers, os.path.join(root, f"rank-{self.accelerator.process_index}.buffers.safetensors"))
 
     def _load_rank_buffers(self, root):
         path = os.path.join(root, f"rank-{self.accelerator.process_index}.buffers.safetensors")
-        if self.model is not None and self.accelerator.distributed_type == DistributedType.FSDP and os.path.exists(path):
+        if self.accelerator.distributed_type == DistributedType.FSDP and os.path.exists(path):
             saved = load_file(path)
             for name, b in ((n, b) for n, b in self.model.named_buffers() if n in saved):
                 b.copy_(saved[name].to(b.device))
 
     def _check_compatible(self, path, manifest):
         """Collective (every rank has the same manifest): refuse a checkpoint this run cannot continue."""
-        problem = incompatibility(manifest, _layout(self.accelerator), self.must_match)
+        problem = incompatibility(manifest, layout(self.accelerator), self.must_match)
         if problem:
             fail(self.accelerator, f"cannot resume from {path}: {problem}. Use the original settings, or start "
                                    f"fresh with another --checkpoint-dir.")

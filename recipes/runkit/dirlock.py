@@ -120,8 +120,10 @@ class DirectoryLock:
         return holder, None
 
     def _refusal(self, holder):
-        who = (f"pid {holder.get('pid')} on {holder.get('host')}" + (f", Slurm job {holder['job']}" if holder.get("job") else "")
-               if holder else "another run")
+        who = "another run"
+        if holder:
+            job = f", Slurm job {holder['job']}" if holder.get("job") else ""
+            who = f"pid {holder.get('pid')} on {holder.get('host')}{job}"
         return (f"--checkpoint-dir {os.path.dirname(self.path)} is in use by {who} (its lock: {self.path}). "
                 f"Two runs writing one directory would mix and rotate away each other's checkpoints: wait for "
                 f"that run to end, or give this one another --checkpoint-dir. If that run is dead, its lock is "

@@ -7,7 +7,6 @@ Owns two guarantees (docs/checkpoints.md, "What a checkpoint can and cannot do")
   with exactly the non-tensor types its files hold allowed; torch.distributed.checkpoint's
   .metadata pickle (FSDP's sharded checkpoints) is read by an unpickler that builds only
   that format's own classes. A file that cannot be read that way is refused by name.
-* whether this run can continue from a checkpoint at all (engine, world size, settings);
 * checkpoint.json, the manifest: the SHA-256 table in it is computed and checked by all ranks together:
   a file whose name carries a rank (DeepSpeed's zero_pp_rank_N, torch.distributed.checkpoint's
   __N_0.distcp, accelerate's random_states_N) is hashed by that rank, which wrote it and
@@ -108,22 +107,6 @@ def read_manifest(path):
     return manifest
 
 
-def incompatibility(manifest, now, must_match):
-    """None, or why a run with layout `now` and settings `must_match` cannot continue from the checkpoint."""
-    saved = manifest["layout"]
-    if saved["family"] != now["family"] or saved["zero_stage"] != now["zero_stage"]:
-        return (f"it was written by {saved['family']} (ZeRO stage {saved['zero_stage']}) and this run is "
-                f"{now['family']} (ZeRO stage {now['zero_stage']}); their files differ")
-    if saved["family"] != "full" and saved["world_size"] != now["world_size"]:
-        return (f"{saved['family']} shards its state over the {saved['world_size']} processes that wrote "
-                f"it, and this run has {now['world_size']}; relaunch with {saved['world_size']} processes")
-    differ = {k: (v, must_match.get(k)) for k, v in manifest["must_match"].items() if must_match.get(k) != v}
-    if differ:
-        return "these settings differ from the run that wrote it (saved, now): " + ", ".join(
-            f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items())
-    return None
-
-
 # ---- weights-only loading --------------------------------------------------------------------------
 
 def _deepspeed_types():
@@ -179,7 +162,8 @@ def _safe_metadata_load(file, *args, **kwargs):
 
 
 # What torch.distributed.checkpoint.filesystem gets for `pickle` while a checkpoint loads: saving is unchanged.
-_SAFE_PICKLE = types.SimpleNamespace(load=_safe_metadata_load, dump=pickle.dump, HIGHEST_PROTOCOL=pickle.HIGHEST_PROTOCOL)
+_SAFE_PICKLE = types.SimpleNamespace(load=_safe_metadata_load, dump=pickle.dump,
+                                     HIGHEST_PROTOCOL=pickle.HIGHEST_PROTOCOL)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import resource
 
 import torch
 
+
 def add_observability_args(parser):
     parser.add_argument("--report-to", choices=["none", "png", "tensorboard"], default="none",
                         help="tensorboard: log the metrics with accelerate's TensorBoard tracker into "
@@ -83,8 +84,9 @@ class MetricsLog:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
             if self.accelerator.trackers:
-                self.accelerator.log({k: v for k, v in record.items()
-                                      if isinstance(v, (int, float)) and k not in ("step", "epoch")}, step=record["step"])
+                scalars = {k: v for k, v in record.items()
+                           if isinstance(v, (int, float)) and k not in ("step", "epoch")}
+                self.accelerator.log(scalars, step=record["step"])
 
     def close(self):
         if self.file:

@@ -16,17 +16,17 @@ step waits for the device; on a CPU each mark is the wall clock.
 import time
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from accelerate.utils import DistributedType
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 PHASES = ("data", "forward_backward", "optimizer", "other")
 
 
 class StepTimer:
-    def __init__(self, accelerator, total_data=0.0, total_compute=0.0):
+    def __init__(self, accelerator):
         self.accelerator = accelerator
         self.cuda = accelerator.device.type == "cuda"
-        self.total_data, self.total_compute = total_data, total_compute  # the whole run's, across resumes
+        self.total_data = self.total_compute = 0.0  # the whole run's, across resumes (load_window_state)
         self.first_step_at = None  # wall-clock time of this process's first finished micro-batch
         self.steady = dict.fromkeys(PHASES, 0.0)  # after the first micro-batch: what bench/ compares
         self.steady_micro = 0

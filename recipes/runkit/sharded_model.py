@@ -1,6 +1,6 @@
-"""How a recipe's model is built: sharded from the start under ZeRO-3 and FSDP.
+"""The model built sharded from the start under ZeRO-3 and FSDP, never whole on every process.
 
-Owns run.sharded_init(). ZeRO-3 with zero3_init_flag: DeepSpeed's zero.Init partitions each
+Owns what run.sharded_init() does. ZeRO-3 with zero3_init_flag: DeepSpeed's zero.Init partitions each
 module's weights as its constructor returns, so no process ever holds the whole model. FSDP:
 only the main process writes real weights, the others allocate theirs without touching them,
 and prepare() sends each rank its shards (accelerate's cpu_ram_efficient_loading, switched on
@@ -15,29 +15,32 @@ import contextlib
 import torch
 from accelerate.utils import DistributedType
 
+BUILT_WHOLE = "built whole on every process"  # any model built outside sharded_init(), too
+
 
 @contextlib.contextmanager
-def building_context(run, from_pretrained=False):
-    """Sets run.model_init to what was done. from_pretrained: a Hugging Face model loaded inside, which
-    enters zero.Init itself (transformers reads the Accelerator's ZeRO-3 settings) and writes its own weights."""
-    acc, plugin = run.accelerator, run.accelerator.state.deepspeed_plugin
-    if acc.distributed_type == DistributedType.DEEPSPEED and plugin.zero_stage == 3 and plugin.zero3_init_flag:
+def sharded_building(accelerator, from_pretrained=False):
+    """Build the model inside; yields how it is built (the summary's model_init). from_pretrained: a Hugging
+    Face model loaded inside, which enters zero.Init itself (transformers reads the Accelerator's ZeRO-3
+    settings) and writes its own weights."""
+    plugin = accelerator.state.deepspeed_plugin
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin.zero_stage == 3 and plugin.zero3_init_flag:
         import deepspeed
-        run.model_init = "partitioned while " + ("loaded (transformers, zero.Init)" if from_pretrained else "built (zero.Init)")
+        how = "loaded (transformers, zero.Init)" if from_pretrained else "built (zero.Init)"
         with contextlib.nullcontext() if from_pretrained else deepspeed.zero.Init(
                 config_dict_or_path=plugin.dschf.config):  # the JSON, 'auto's resolved
-            yield
-    elif acc.distributed_type == DistributedType.FSDP:
+            yield "partitioned while " + how
+    elif accelerator.distributed_type == DistributedType.FSDP:
         # For this model only: accelerate's broadcast in prepare() handles parameters only, and fails on
         # buffers (BatchNorm's statistics: mnist, resnet) and on modules without Hugging Face's helpers.
-        acc.state.fsdp_plugin.cpu_ram_efficient_loading = True
-        run.model_init = ("weight files mapped by every process, sharded by prepare() from the main process's copy"
-                          if from_pretrained else "initialised on the main process only, sharded by prepare()")
-        with contextlib.nullcontext() if acc.is_main_process or from_pretrained else _allocated_not_written():
-            yield
+        accelerator.state.fsdp_plugin.cpu_ram_efficient_loading = True
+        how = ("weight files mapped by every process, sharded by prepare() from the main process's copy"
+               if from_pretrained else "initialised on the main process only, sharded by prepare()")
+        writes_weights = accelerator.is_main_process or from_pretrained
+        with contextlib.nullcontext() if writes_weights else _allocated_not_written():
+            yield how
     else:
-        run.model_init = "built whole on every process"
-        yield
+        yield BUILT_WHOLE
 
 
 @contextlib.contextmanager

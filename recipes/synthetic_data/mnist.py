@@ -17,6 +17,7 @@ import struct
 import numpy as np
 import torch
 
+
 # Each digit is a list of strokes; each stroke is a list of (x, y) points in a
 # unit box, y pointing down. Arcs are sampled from ellipses below.
 def _arc(cx, cy, rx, ry, start_deg, end_deg, n=14):

@@ -1,0 +1,91 @@
+"""What accelerate really set up, and the adjustments that make every engine run the recipe's optimisation.
+
+Owns:
+  * engine / run_label: the distributed type, world size, precision, ZeRO stage and offload that run
+    (the first log line, the summary, checkpoint layouts, the default output directory);
+  * clipping: DeepSpeed clips like the recipe's --max-grad-norm, never by a config's default;
+  * gradient reduction: fp32 under FSDP like DDP and the DeepSpeed JSONs, and what really runs;
+  * BatchNorm buffers cast to the half precision DeepSpeed and FSDP compute in.
+"""
+
+import dataclasses
+
+import torch
+from accelerate.utils import DistributedType
+
+
+def deepspeed_config(accelerator):
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin.deepspeed_config if plugin else {}
+
+
+def engine(accelerator):
+    """What accelerate really set up, for the first log line, the summary and checkpoint layouts."""
+    zero = deepspeed_config(accelerator).get("zero_optimization", {})
+    return {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
+            "mixed_precision": accelerator.mixed_precision, "deepspeed_stage": zero.get("stage"),
+            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)}
+
+
+def run_label(accelerator):
+    """A short name for the way this run is launched, e.g. 'ddp-2proc-bf16' or 'zero3-offload-2proc':
+    the default output directory is runs/<recipe>/<label>, so swapping configs keeps each one's results,
+    and the same command finds its own directory again."""
+    e = engine(accelerator)
+    kind = {DistributedType.NO: "", DistributedType.DEEPSPEED: f"zero{e['deepspeed_stage']}",
+            DistributedType.FSDP: "fsdp"}.get(accelerator.distributed_type, "ddp")
+    parts = [kind, "offload" if e["offload_optimizer"] else "", f"{e['world_size']}proc",
+             "" if e["mixed_precision"] == "no" else e["mixed_precision"]]
+    dynamo = accelerator.state.dynamo_plugin
+    if dynamo is not None and dynamo.backend.value != "NO":
+        parts.append("compile")
+    return "-".join(p for p in parts if p)
+
+
+def deepspeed_clip_like(accelerator, max_grad_norm):
+    """Call before prepare(). DeepSpeed clips gradients itself, and accelerate turns the config's 'auto' into
+    a clipping norm of 1.0, while DDP and FSDP never clip on their own: make DeepSpeed clip like the recipe's
+    flag (0: not at all), so every config runs the same optimisation."""
+    ds = deepspeed_config(accelerator)
+    if ds and ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = float(max_grad_norm)
+
+
+def fsdp_reduce_in_fp32(accelerator):
+    """Call before prepare(). accelerate's FSDP2 policy reduces gradients in the compute dtype (bf16), while
+    DDP reduces fp32 gradients and the DeepSpeed JSONs say communication_data_type fp32: sum the shards'
+    gradients in fp32 under FSDP too (each bf16 reduction rounds to 8 bits; at 2 bytes more per gradient
+    element on the wire). accelerate's YAML has no key for this (docs/configs.md, 'Gradient reduction')."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    plugin = accelerator.state.fsdp_plugin
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if policy is not None and getattr(policy, "param_dtype", None) in (torch.bfloat16, torch.float16):
+        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
+
+
+def gradient_sync(accelerator, model):
+    """After prepare(): the dtype gradients are summed across processes in, and (DeepSpeed) whether that
+    overlaps with the backward pass, read from the engine that runs, for the summary."""
+    if accelerator.num_processes == 1:
+        return {"grad_reduce_dtype": None, "overlap_comm": None}
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return {"grad_reduce_dtype": str(model.communication_data_type).replace("torch.", ""),
+                "overlap_comm": bool(getattr(model.optimizer, "overlap_comm", model.zero_overlap_comm()))}
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.fsdp import FSDPModule
+        unit = next(m for m in model.modules() if isinstance(m, FSDPModule))
+        policy = unit._get_fsdp_state()._mp_policy
+        dtype = policy.reduce_dtype or policy.param_dtype or next(model.parameters()).dtype
+        return {"grad_reduce_dtype": str(dtype).replace("torch.", ""), "overlap_comm": None}
+    return {"grad_reduce_dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "overlap_comm": None}
+
+
+def cast_buffers_for_half_precision(accelerator, model):
+    """DeepSpeed and FSDP compute with bf16 weights but leave buffers in fp32, and BatchNorm
+    refuses running statistics of another dtype than its weights."""
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    if half and accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.data = buffer.data.to(half)
