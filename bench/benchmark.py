@@ -222,7 +222,8 @@ def plan_runs(args, processes, on_gpu, data_root):
     common = ["--seed", str(args.seed), "--batch-size", str(args.batch_size), "--log-every", str(args.log_every)]
     if args.recipe == "mnist":
         epochs = math.ceil(args.steps / (args.train_size // args.batch_size))
-        recipe_args = ["--data", "synthetic" if "synthetic-" in str(data_root) else "mnist", "--data-dir", args.data_dir,
+        data = "synthetic" if "synthetic-" in str(data_root) else "mnist"
+        recipe_args = ["--data", data, "--data-dir", args.data_dir,
                        "--synthetic-train-size", str(args.train_size), "--synthetic-test-size", str(args.test_size),
                        "--epochs", str(epochs), "--max-steps", str(args.steps), *common]
     elif args.recipe == "gpt":
@@ -234,7 +235,8 @@ def plan_runs(args, processes, on_gpu, data_root):
     # The lean loop: the same model, global batch, seed, precision and step count (a few of them untimed warm-up).
     warmup = min(10, max(1, args.steps // 10))
     lean_args = [sys.executable, str(REPO / "bench" / "lean_loop.py"), "--recipe", args.recipe,
-                 "--batch-size", str(args.batch_size), "--seed", str(args.seed), "--mixed-precision", args.mixed_precision,
+                 "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+                 "--mixed-precision", args.mixed_precision,
                  "--warmup-steps", str(warmup), "--steps", str(args.steps - warmup),
                  *(["--preset", args.preset] if args.recipe == "gpt" else []), *shared_recipe_args(args.recipe_args)]
     runs = []
@@ -287,7 +289,8 @@ def measure(name, repeat, cmd, env, out, threads):
             "forward_backward_ms": timing["forward_backward_ms"], "optimizer_ms": timing["optimizer_ms"],
             "other_ms": timing["other_ms"],
             "data_fraction": timing["data_fraction"], "optimizer_in_backward": timing["optimizer_in_backward"],
-            "peak_memory_mb_per_rank": summary["peak_memory_mb_per_rank"], "peak_memory_kind": summary["peak_memory_kind"],
+            "peak_memory_mb_per_rank": summary["peak_memory_mb_per_rank"],
+            "peak_memory_kind": summary["peak_memory_kind"],
             "metrics": read_jsonl(run_dir / "metrics.jsonl"), "evals": read_jsonl(run_dir / "eval.jsonl"),
             "final_accuracy": summary.get("test_accuracy", summary.get("val_accuracy")),
             "final_loss": summary.get("final_loss", summary.get("val_loss"))}
@@ -318,11 +321,13 @@ def aggregate(results, target_loss, target_accuracy):
             **{key: med(key) for key in ("throughput", "startup_s", "step_ms", "data_ms", "forward_backward_ms",
                                          "optimizer_ms", "other_ms", "data_fraction")},
             "optimizer_in_backward": good[0]["optimizer_in_backward"],
-            "peak_memory_mb_per_rank": [statistics.median(col) for col in zip(*(r["peak_memory_mb_per_rank"] for r in good))],
+            "peak_memory_mb_per_rank": [statistics.median(col)
+                                        for col in zip(*(r["peak_memory_mb_per_rank"] for r in good))],
             "peak_memory_kind": good[0]["peak_memory_kind"],
             "time_to_target_loss_s": statistics.median(loss_times) if None not in loss_times else None,
             "time_to_target_accuracy_s": statistics.median(acc_times) if None not in acc_times else None,
-            "final_accuracy": good[0]["final_accuracy"], "final_loss": med("final_loss") if good[0]["final_loss"] is not None else None,
+            "final_accuracy": good[0]["final_accuracy"],
+            "final_loss": med("final_loss") if good[0]["final_loss"] is not None else None,
         })
     return table
 
@@ -393,10 +398,12 @@ def write_markdown(path, report):
     vs = r.get("throughput_vs_ddp", {})
     s = report["settings"]
     lines = [f"Measured {report['date']} on {hw['label']} ({hw['host']}); torch {hw['torch']}, accelerate "
-             f"{hw['accelerate']}, DeepSpeed {hw['deepspeed']}. Recipe `{s['recipe']}`, {s['steps']} steps, global batch "
-             f"{s['batch_size']}, precision {s['mixed_precision']}, median of {s['repeats']} run(s) each.", "",
-             f"| run | procs | start-up s | {unit} | vs DDP | step ms | data ms | fwd+bwd ms | optimizer ms | other ms | data share "
-             f"| peak MB per proc | s to loss <= {s['target_loss']} | s to acc >= {s['target_accuracy']} |",
+             f"{hw['accelerate']}, DeepSpeed {hw['deepspeed']}. Recipe `{s['recipe']}`, {s['steps']} steps, "
+             f"global batch {s['batch_size']}, precision {s['mixed_precision']}, median of {s['repeats']} run(s) "
+             "each.", "",
+             f"| run | procs | start-up s | {unit} | vs DDP | step ms | data ms | fwd+bwd ms | optimizer ms | other ms "
+             f"| data share | peak MB per proc | s to loss <= {s['target_loss']} "
+             f"| s to acc >= {s['target_accuracy']} |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
     for row in table:
@@ -406,7 +413,8 @@ def write_markdown(path, report):
         opt = "in bwd" if row["optimizer_in_backward"] else fmt(row["optimizer_ms"])
         lines.append(f"| {row['name']} | {row['processes']} | {fmt(row['startup_s'])} | {row['throughput']:.0f} | "
                      f"{fmt(vs.get(row['name']), '{:.2f}')} | {row['step_ms']:.1f} | {row['data_ms']:.1f} | "
-                     f"{fmt(row['forward_backward_ms'])} | {opt} | {row['other_ms']:.1f} | {100 * row['data_fraction']:.1f}% | "
+                     f"{fmt(row['forward_backward_ms'])} | {opt} | {row['other_ms']:.1f} | "
+                     f"{100 * row['data_fraction']:.1f}% | "
                      f"{' / '.join(f'{m:.0f}' for m in row['peak_memory_mb_per_rank'])} | "
                      f"{fmt(row['time_to_target_loss_s'])} | {fmt(row['time_to_target_accuracy_s'])} |")
     lines.append("")
@@ -481,7 +489,7 @@ def main():
     data_root = None
     if args.recipe == "mnist":  # real MNIST if it is there; else the synthetic digits the recipe would make
         sys.path.insert(0, str(REPO / "recipes"))
-        from runkit.synthetic_mnist import write_synthetic_mnist
+        from synthetic_data.mnist import write_synthetic_mnist
         real = Path(args.data_dir) / "MNIST" / "raw" / "train-images-idx3-ubyte"
         data_root = Path(args.data_dir).resolve() if real.exists() else write_synthetic_mnist(
             str(Path(args.data_dir).resolve() / f"synthetic-{args.train_size}-{args.test_size}"),

@@ -84,7 +84,8 @@ def main():
         test_set = datasets.MNIST(args.data_root, train=False, transform=transform)
     else:
         train_raw, test_raw = (datasets.MNIST(args.data_root, train=t) for t in (True, False))
-        train_set, test_set = TensorDataset(train_raw.data, train_raw.targets), TensorDataset(test_raw.data, test_raw.targets)
+        train_set = TensorDataset(train_raw.data, train_raw.targets)
+        test_set = TensorDataset(test_raw.data, test_raw.targets)
 
     def to_input(images):  # the per-sample pipeline has already normalised every image in the loader
         if args.pipeline == "per-sample":

@@ -66,12 +66,14 @@ def rows(gpus=2, gpu_gb=80.0, tokens=4096):
 
 def table(gpus=2, gpu_gb=80.0, tokens=4096):
     lines = [f"model states per GPU (GB) on {gpus} GPUs; activations (GB) at {tokens} tokens per GPU; fits in "
-             f"{gpu_gb:.0f} GB: yes, GC (only with --gradient-checkpointing), no; off host: host memory ZeRO-3+off needs",
-             f"{'model':<14}{'params':>8} " + "".join(f"{e:>11}" for e in ENGINES) + f"{'off host':>9}{'act':>7}{'act GC':>8}   fits: "
-             + " / ".join(ENGINES)]
+             f"{gpu_gb:.0f} GB: yes, GC (only with --gradient-checkpointing), no; off host: host memory "
+             "ZeRO-3+off needs",
+             f"{'model':<14}{'params':>8} " + "".join(f"{e:>11}" for e in ENGINES)
+             + f"{'off host':>9}{'act':>7}{'act GC':>8}   fits: " + " / ".join(ENGINES)]
     for name, n, states, plain, checkpointed, fits in rows(gpus, gpu_gb, tokens):
         lines.append(f"{name:<14}{n / 1e9:>7.2f}B " + "".join(f"{states[e]:>11.1f}" for e in ENGINES)
-                     + f"{18 * n / 1e9:>9.0f}{plain:>7.1f}{checkpointed:>8.1f}   " + " / ".join(fits[e] for e in ENGINES))
+                     + f"{18 * n / 1e9:>9.0f}{plain:>7.1f}{checkpointed:>8.1f}   "
+                     + " / ".join(fits[e] for e in ENGINES))
     return "\n".join(lines)
 
 

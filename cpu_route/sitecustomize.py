@@ -104,8 +104,8 @@ def deepspeed_ops_to_build(torch):
         import sys
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
         flavour = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-        root = os.path.join(os.path.realpath(os.path.join(cache, "torch_extensions")),
-                            f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{flavour}")
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(os.path.join(cache, "torch_extensions")), f"{python}_{flavour}")
     return [op for op in ops if not os.path.isfile(os.path.join(root, op, op + ".so"))]
 
 

@@ -40,9 +40,9 @@ STAGE3_YAML_KEYS = {"offload_param_device": ("none", None), "zero3_init_flag": (
                     "zero3_save_16bit_model": (False, None)}
 # accelerate's own list (DeepSpeedPlugin._deepspeed_config_checks); zero3_init_flag is accelerate's, not DeepSpeed's,
 # and stays in the YAML.
-FILE_EXCLUSIVE_YAML_KEYS = ("zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps",
-                            "gradient_clipping", "zero3_save_16bit_model", "offload_optimizer_nvme_path",
-                            "offload_param_nvme_path")
+FILE_EXCLUSIVE_YAML_KEYS = ("zero_stage", "offload_optimizer_device", "offload_param_device",
+                            "gradient_accumulation_steps", "gradient_clipping", "zero3_save_16bit_model",
+                            "offload_optimizer_nvme_path", "offload_param_nvme_path")
 
 
 class Problems:
@@ -66,12 +66,14 @@ def load_with_accelerate(path, problems):
         with open(path) as f:
             raw = yaml.safe_load(f)
     except OSError as exc:
-        problems.error("file", f"cannot be read ({exc.strerror})", "give the path of a YAML file in accelerate_configs/")
+        problems.error("file", f"cannot be read ({exc.strerror})",
+                       "give the path of a YAML file in accelerate_configs/")
         return None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
-        problems.error("YAML", f"not valid YAML{f' (line {where.line + 1}, column {where.column + 1})' if where else ''}: "
-                               f"{getattr(exc, 'problem', exc)}", "correct the indentation or quoting there")
+        line = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+        problems.error("YAML", f"not valid YAML{line}: {getattr(exc, 'problem', exc)}",
+                       "correct the indentation or quoting there")
         return None
     if not isinstance(raw, dict) or "distributed_type" not in raw:
         problems.error("distributed_type", "missing: this is not an accelerate config",
@@ -193,7 +195,8 @@ def check_deepspeed(raw, ds_json, recipe, problems):
                            "remove mixed_precision from the YAML and set \"bf16\" or \"fp16\" {\"enabled\": true} "
                            "in the JSON")
         if any(state is not None for state in states.values()):
-            problems.note(f"precision comes from the DeepSpeed JSON ({json_says}); `accelerate launch --mixed_precision` "
+            problems.note(f"precision comes from the DeepSpeed JSON ({json_says}); "
+                          "`accelerate launch --mixed_precision` "
                           f"does not override it (fp16 against a bf16 JSON is an error; accelerate 1.15)")
 
 

@@ -191,7 +191,8 @@ def main(argv=None):
         print(f"preflight: {world} ranks on {len({f['host'] for f in everyone})} host(s), backend "
               f"{facts['backend']}, main address {host}:{port}", flush=True)
         for f in everyone:
-            env = " ".join(f"{k}={v}" for k, v in f["env"].items()) or "(no NCCL_*/CUDA_VISIBLE_DEVICES/OMP_NUM_THREADS)"
+            env = (" ".join(f"{k}={v}" for k, v in f["env"].items())
+                   or "(no NCCL_*/CUDA_VISIBLE_DEVICES/OMP_NUM_THREADS)")
             print(f"rank {f['rank']:>3} | host {f['host']} | local rank {f['local_rank']} | {f['device']} | {env}",
                   flush=True)
     sizes, size = [], args.min_bytes

@@ -29,7 +29,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import free_port
+from launching import free_port
 
 SLURM_BINARIES = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol")
 

@@ -1,4 +1,4 @@
-"""Checkpoints, exact resume, stop signals and crashes: real launches on CPU (see conftest's CPU route).
+"""Checkpoints, exact resume, stop signals and crashes: real launches on CPU (see launching.py's CPU route).
 
 Reference runs (one per config, fp32): 2 epochs of 10 optimizer steps, a checkpoint every 4 steps
 and at each epoch end, all kept. Resumed runs start from one of those checkpoints and must end
@@ -16,32 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FP32, REPO, TEST_SIZE, TRAINING, free_port, launch_command
+from launching import FP32, REPO, TEST_SIZE, TRAINING, free_port, launch_command
+from run_checks import assert_identical_params, assert_same_steps
 
 pytestmark = pytest.mark.slow
 
-MID_EPOCH, EPOCH_END = "step-00000012", "step-00000010"  # 10 steps per epoch: step 12 is 2 steps into epoch 1
+MID_EPOCH, EPOCH_END = "step-00000015", "step-00000010"  # 10 steps per epoch: step 15 is 5 steps into epoch 1
 # 1 process, DDP, each ZeRO stage (with offload) and FSDP; 1gpu/multinode run the same code as cpu/2gpu.
 RESUME_CONFIGS = ["cpu.yaml", "2gpu.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml",
                   "deepspeed_zero3.yaml", "deepspeed_zero3_offload.yaml", "fsdp.yaml"]
-
-
-def assert_identical_params(a, b):
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"parameters differ: {different}"
-
-
-TIMINGS = {"train_time_s", "samples_per_s", "tokens_per_s", "data_ms", "compute_ms", "forward_backward_ms",
-           "optimizer_ms", "other_ms", "data_fraction", "mfu"}
-
-
-def assert_same_steps(reference_metrics, resumed_metrics, after_step):
-    """The resumed run's metrics.jsonl lines after the resume equal the uninterrupted run's, line for line:
-    every field but the timings (loss, learning rate, epoch, step), exactly."""
-    expected = [{k: v for k, v in r.items() if k not in TIMINGS} for r in reference_metrics if r["step"] > after_step]
-    got = [{k: v for k, v in r.items() if k not in TIMINGS} for r in resumed_metrics if r["step"] > after_step]
-    assert got and got == expected
 
 
 def assert_resumed_at(checkpoint, step, epoch, step_in_epoch):
@@ -54,16 +37,17 @@ def assert_resumed_at(checkpoint, step, epoch, step_in_epoch):
 @pytest.mark.parametrize("config", RESUME_CONFIGS)
 def test_resume_mid_epoch_is_exact(launch, reference, config):
     ref, ckpt = reference(config)
-    assert sorted(os.listdir(ckpt)) == [f"step-{n:08d}" for n in (4, 8, 10, 12, 16, 20)]
+    # --checkpoint-every 5 alone sets the cadence: no extra save at the epoch's end (step 10 is one of its own).
+    assert sorted(os.listdir(ckpt)) == [f"step-{n:08d}" for n in (5, 10, 15, 20)]
     resumed = launch(config, *TRAINING, "--resume", str(ckpt / MID_EPOCH), launch_args=FP32)
-    assert f"resumed from {ckpt / MID_EPOCH} (step 12" in resumed.output
-    assert resumed.summary["resumed_from_step"] == 12 and resumed.summary["steps"] == 20
-    # How long checkpoints took (docs/measuring.md): 6 saves in the reference, one verified load here.
-    assert ref.summary["checkpoints"]["saves"] == 6 and ref.summary["checkpoints"]["save_checksum_s"] > 0
+    assert f"resumed from {ckpt / MID_EPOCH} (step 15" in resumed.output
+    assert resumed.summary["resumed_from_step"] == 15 and resumed.summary["steps"] == 20
+    # How long checkpoints took (docs/measuring.md): 4 saves in the reference, one verified load here.
+    assert ref.summary["checkpoints"]["saves"] == 4 and ref.summary["checkpoints"]["save_checksum_s"] > 0
     assert resumed.summary["checkpoints"]["resume_verify_s"] > 0 and resumed.summary["checkpoints"]["resume_load_s"] > 0
-    assert_resumed_at(ckpt / MID_EPOCH, step=12, epoch=1, step_in_epoch=2)
-    assert resumed.metrics[0]["step"] == 13
-    assert_same_steps(ref.metrics, resumed.metrics, after_step=12)
+    assert_resumed_at(ckpt / MID_EPOCH, step=15, epoch=1, step_in_epoch=5)
+    assert resumed.metrics[0]["step"] == 16
+    assert_same_steps(ref.metrics, resumed.metrics, after_step=15)
     assert_identical_params(ref.params(), resumed.params())
     assert resumed.summary["final_loss"] == ref.summary["final_loss"]
     assert resumed.summary["test_accuracy"] == ref.summary["test_accuracy"]
@@ -88,8 +72,9 @@ def test_export_loads_into_plain_model(reference, data_dir, config):
     """model.safetensors from sharded runs is one full state dict for the recipe's own class."""
     ref, _ = reference(config)
     sys.path.insert(0, str(REPO / "recipes"))
-    from mnist import ConvNet, to_input
     from torchvision.datasets import MNIST
+
+    from mnist import ConvNet, to_input
 
     model = ConvNet()
     model.load_state_dict(load_file(str(ref.out_dir / "model.safetensors")), strict=True)
@@ -240,7 +225,7 @@ def test_corrupt_and_unfinished_checkpoints(launch, reference, tmp_path):
         f.truncate(100)
     (work / "step-00000024").mkdir()
     (work / ".tmp-step-00000028").mkdir()
-    (work / "step-00000012" / "checkpoint.json").write_text('{"step": 12, "files": ')  # a corrupt manifest
+    (work / "step-00000010" / "checkpoint.json").write_text('{"step": 10, "files": ')  # a corrupt manifest
     explicit = launch("cpu.yaml", *TRAINING, "--resume", str(work / "step-00000020"), launch_args=FP32, check=False)
     assert explicit.returncode == 1, explicit.output[-2000:]  # the recipe exits 2; accelerate launch says 1
     assert "optimizer.bin does not match its recorded size and checksum" in explicit.output
@@ -248,20 +233,41 @@ def test_corrupt_and_unfinished_checkpoints(launch, reference, tmp_path):
     assert f"skipping checkpoint {work / 'step-00000024'}: no checkpoint.json" in auto.output
     assert f"skipping checkpoint {work / 'step-00000020'}: optimizer.bin does not match" in auto.output
     assert f"removing {work / '.tmp-step-00000028'}: a save that never finished" in auto.output
-    assert f"skipping checkpoint {work / 'step-00000012'}: unreadable checkpoint.json" in auto.output
-    assert auto.summary["resumed_from_step"] == 16
+    assert f"skipping checkpoint {work / 'step-00000010'}: unreadable checkpoint.json" in auto.output
+    assert auto.summary["resumed_from_step"] == 15
     assert_identical_params(ref.params(), auto.params())
 
 
+def test_same_size_corruption_is_refused(launch, reference, tmp_path):
+    """One byte of model.safetensors flipped in place (bit rot, a bad copy): the size still matches, so only the
+    SHA-256 in the manifest can tell. The resume refuses the checkpoint by name, exits non-zero, loads nothing."""
+    _, ckpt = reference("cpu.yaml")
+    work = tmp_path / MID_EPOCH
+    shutil.copytree(ckpt / MID_EPOCH, work)
+    weights = work / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:  # a byte of the last tensor's data, well past the header
+        f.seek(size - 100)
+        byte = f.read(1)[0]
+        f.seek(size - 100)
+        f.write(bytes([byte ^ 0xFF]))
+    assert weights.stat().st_size == size
+    run = launch("cpu.yaml", *TRAINING, "--resume", str(work), launch_args=FP32, check=False)
+    assert run.returncode == 1, run.output[-3000:]
+    assert "model.safetensors does not match its recorded size and checksum (truncated or overwritten)" in run.output, \
+        run.output[-3000:]
+    assert "resumed from" not in run.output and not (run.out_dir / "metrics.jsonl").exists()
+
+
 def test_resumed_log_windows_match_and_old_checkpoints_are_pruned(launch, reference, tmp_path):
-    """A progress line averages the loss since the previous one. Resumed inside such a window (step 12 of
-    the 11-15 window), the run still logs the uninterrupted run's losses: the checkpoint keeps the window."""
-    ref, ckpt = reference("cpu.yaml", "--log-every", "5")
+    """A progress line averages the loss since the previous one. Resumed inside such a window (step 15 of
+    the 13-16 window), the run still logs the uninterrupted run's losses: the checkpoint keeps the window."""
+    ref, ckpt = reference("cpu.yaml", "--log-every", "4")
     pruned = tmp_path / "ckpt"
-    resumed = launch("cpu.yaml", *TRAINING, "--log-every", "5", "--resume", str(ckpt / MID_EPOCH), "--checkpoint-dir",
+    resumed = launch("cpu.yaml", *TRAINING, "--log-every", "4", "--resume", str(ckpt / MID_EPOCH), "--checkpoint-dir",
                      str(pruned), "--checkpoint-every", "2", "--keep-last", "2", launch_args=FP32)
-    assert [r["step"] for r in resumed.metrics] == [15, 20]
-    assert_same_steps(ref.metrics, resumed.metrics, after_step=12)
-    # The same run saved steps 14, 16, 18 and 20 and kept the newest two (--keep-last 2).
+    assert [r["step"] for r in resumed.metrics] == [16, 20]
+    assert_same_steps(ref.metrics, resumed.metrics, after_step=15)
+    # The same run saved steps 16, 18 and 20 and kept the newest two (--keep-last 2).
     assert sorted(p.name for p in pruned.iterdir()) == ["step-00000018", "step-00000020"]
-    assert "checkpoint saved: " + str(pruned / "step-00000014") in resumed.output
+    assert "checkpoint saved: " + str(pruned / "step-00000016") in resumed.output

@@ -10,10 +10,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import EXPECTED, REPO
-from test_recipe_shelf import shelf, shelf_data  # noqa: F401  (fixtures: the eager matrix runs)
+from launching import EXPECTED, REPO
 
 pytestmark = pytest.mark.slow
 

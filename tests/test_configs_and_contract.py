@@ -1,6 +1,7 @@
 """Quick checks: configs parse with accelerate's own loader, are commented, and recipes keep the contract."""
 
 import ast
+import datetime
 import json
 import re
 import subprocess
@@ -9,11 +10,20 @@ import sys
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import CONFIG_DIR, CONFIG_FILES, REPO, load_yaml
+from launching import CONFIG_DIR, CONFIG_FILES, REPO, load_yaml
 
 TRAINING_RECIPES = sorted((REPO / "recipes").glob("*.py"))
 RECIPES = TRAINING_RECIPES + sorted((REPO / "recipes" / "quickstart").glob("*.py"))
 RUNKIT = sorted((REPO / "recipes" / "runkit").glob("*.py"))
+
+
+def imports_run(path):
+    """Whether a recipe imports the Run object from runkit (it is then built on Run and keeps its loop shape)."""
+    return any(isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "runkit"
+               and any(alias.name == "Run" for alias in node.names) for node in ast.walk(ast.parse(path.read_text())))
+
+
+RUN_RECIPES = [p for p in TRAINING_RECIPES if imports_run(p)]
 
 
 def test_the_promised_configs_exist():
@@ -92,7 +102,8 @@ def test_recipe_contract(recipe):
 def test_contract_check_catches_violations():
     assert contract_violations("import torch.distributed as dist") == {"torch.distributed"}
     assert contract_violations("from torch.utils.data import DistributedSampler") == {"DistributedSampler"}
-    assert contract_violations("model = torch.nn.parallel.DistributedDataParallel(model)") == {"DistributedDataParallel"}
+    wrapped = "model = torch.nn.parallel.DistributedDataParallel(model)"
+    assert contract_violations(wrapped) == {"DistributedDataParallel"}
     assert contract_violations("x = x.cuda()") == {".cuda()"}
     assert contract_violations("x = x.to(accelerator.device)") == set()
 
@@ -112,11 +123,66 @@ def test_negative_checkpoint_counts_are_refused_by_argparse():
     assert "argument --keep-last: '-1': give a whole number, 0 or more" in result.stderr, result.stderr
 
 
+def docstring_commands(doc):
+    """The shell commands a docstring gives (a line continued with a backslash joined to the next)."""
+    lines = re.sub(r"\s*\\\n\s*", " ", doc).splitlines()
+    return [line.strip() for line in lines if re.search(r"\baccelerate launch\b|\bpython3? recipes/", line)]
+
+
+def docstring_problems(doc, name, today):
+    """What a recipe's docstring lacks: the commands that run it (`accelerate launch ...` / `python recipes/...`),
+    and one line starting with `Result:` that states the result and when it was `measured`, as an ISO date that
+    exists and is not after `today` (docs/recipes.md holds the full measurements)."""
+    problems = []
+    if not any(f"recipes/{name}" in command for command in docstring_commands(doc)):
+        problems.append(f"give the commands that run it (accelerate launch ... / python recipes/{name})")
+    results = [line.strip() for line in doc.splitlines() if line.lstrip().startswith("Result:")]
+    if len(results) != 1:
+        return problems + [f"one line starting with 'Result:', not {len(results)}"]
+    if "measured" not in results[0]:
+        problems.append(f"say when the result was measured: {results[0]!r}")
+    dates = re.findall(r"\b\d{4}-\d{2}-\d{2}\b", results[0])
+    if not dates:
+        problems.append(f"the date it was measured, as YYYY-MM-DD: {results[0]!r}")
+    for text in dates:
+        try:
+            measured = datetime.date.fromisoformat(text)
+        except ValueError:
+            problems.append(f"{text} is not a date")
+            continue
+        if measured > today:
+            problems.append(f"measured {text}, after today ({today})")
+    return problems
+
+
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.name)
 def test_recipe_docstring_gives_commands_and_results(recipe):
     doc = ast.get_docstring(ast.parse(recipe.read_text()))
-    assert "accelerate launch --config_file accelerate_configs/" in doc
-    assert re.search(r"measured\s+2026-\d\d-\d\d", doc), "say what the recipe reaches and where it was measured"
+    problems = docstring_problems(doc, recipe.name, datetime.date.today())
+    assert not problems, f"{recipe.name}: " + "; ".join(problems)
+
+
+def test_docstring_check_takes_any_year_and_catches_each_lack():
+    doc = ("Run it:\n\n    accelerate launch --config_file accelerate_configs/2gpu.yaml \\\n        recipes/mnist.py"
+           "\n\nResult: 98% test accuracy in 3 epochs (measured 2027-01-05 on one H100).\n")
+    assert docstring_commands(doc) == ["accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py"]
+    assert docstring_commands("    python recipes/pi.py --intervals 1e9") == ["python recipes/pi.py --intervals 1e9"]
+    # No upper bound on the year: measured in 2027 is fine from that day on, and in any later year.
+    for today in (datetime.date(2027, 1, 5), datetime.date(2031, 2, 3)):
+        assert docstring_problems(doc, "mnist.py", today) == []
+    assert docstring_problems(doc, "mnist.py", datetime.date(2026, 12, 31)) == [
+        "measured 2027-01-05, after today (2026-12-31)"]
+    today = datetime.date(2030, 1, 1)
+    assert docstring_problems(doc, "gpt.py", today) == [
+        "give the commands that run it (accelerate launch ... / python recipes/gpt.py)"]
+    impossible = doc.replace("2027-01-05", "2027-13-05")
+    assert docstring_problems(impossible, "mnist.py", today) == ["2027-13-05 is not a date"]
+    assert docstring_problems(doc.replace("measured 2027-01-05", "in 2027"), "mnist.py", today) == [
+        "say when the result was measured: 'Result: 98% test accuracy in 3 epochs (in 2027 on one H100).'",
+        "the date it was measured, as YYYY-MM-DD: 'Result: 98% test accuracy in 3 epochs (in 2027 on one H100).'"]
+    assert docstring_problems(doc + "Result: again\n", "mnist.py", today) == ["one line starting with 'Result:', not 2"]
+    assert docstring_problems(doc.replace("Result:", "Results"), "mnist.py", today) == [
+        "one line starting with 'Result:', not 0"]
 
 
 @pytest.mark.parametrize("command, message", [
@@ -144,9 +210,10 @@ def project_imports(source):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_is_one_readable_file(recipe):
+    """One recipe, readable in one sitting: a reviewer's rule, not a line count (ruff, in pyproject.toml, keeps the
+    style). What can be counted: a recipe leans on a handful of run services, not on the whole of runkit."""
     source = recipe.read_text()
     assert len(project_imports(source)) <= 6, project_imports(source)
-    assert len(source.splitlines()) <= (215 if recipe.name == "mnist.py" else 300)
 
 
 def training_loop_body(source):
@@ -156,23 +223,51 @@ def training_loop_body(source):
     return loops[0]
 
 
-@pytest.mark.parametrize("name", ["mnist.py", "gpt.py", "resnet.py"])
-def test_loop_reads_as_plain_pytorch(name):
-    """forward, loss, backward, clip, step, zero_grad, and at most three calls to the run object."""
-    loop = training_loop_body((REPO / "recipes" / name).read_text())
+def test_every_recipe_built_on_run_is_found():
+    """The loop-shape test below covers every recipe that imports Run, found in the source, not listed by hand."""
+    names = [p.name for p in RUN_RECIPES]
+    assert {"mnist.py", "gpt.py", "resnet.py", "finetune_lm.py"} <= set(names), names
+    assert "pi.py" not in names and "data_sharding.py" not in names  # no training loop: they use no Run
+
+
+def given_to_run(tree, method, position, name):
+    """Whether the recipe gives run.<method>(...) an argument `name` (at `position`, or by keyword) that is not
+    None or 0: a scheduler to run.start (third), a clipping norm to run.setup (keyword only: position None)."""
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == f"run.{method}"]
+    assert len(calls) == 1, f"one run.{method}(...)"
+    call = calls[0]
+    value = call.args[position] if position is not None and len(call.args) > position else next(
+        (k.value for k in call.keywords if k.arg == name), None)
+    return not (value is None or isinstance(value, ast.Constant) and value.value in (None, 0))
+
+
+@pytest.mark.parametrize("recipe", RUN_RECIPES, ids=lambda p: p.name)
+def test_loop_reads_as_plain_pytorch(recipe):
+    """forward, loss, backward, clip, step, zero_grad, and at most three calls to the run object. Clipping when
+    the recipe gives Run a clipping norm (Run sets DeepSpeed's to match), scheduler.step() when it gives Run a
+    scheduler."""
+    name, tree = recipe.name, ast.parse(recipe.read_text())
+    loop = training_loop_body(recipe.read_text())
     body = loop.body
     calls = [ast.unparse(n.func) for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Call)]
     assert len([c for c in calls if c.startswith("run.")]) <= 3, calls
-    for wanted in ("accelerator.backward", "optimizer.step", "scheduler.step", "optimizer.zero_grad",
-                   "accelerator.clip_grad_norm_"):
-        assert wanted in calls, (name, wanted)
+    assert "run.step" in calls, (name, calls)
+    wanted = ["accelerator.backward", "optimizer.step", "optimizer.zero_grad"]
+    wanted += ["scheduler.step"] if given_to_run(tree, "start", 2, "scheduler") else []
+    wanted += ["accelerator.clip_grad_norm_"] if given_to_run(tree, "setup", None, "max_grad_norm") else []
+    for call in wanted:
+        assert call in calls, (name, call)
     statements = sum(1 for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.stmt))
     assert statements <= 13, f"{name}: {statements} statements in the loop"
-    # Nothing but the loop's own work: no timers, fingerprints, loggers or profilers.
+    # Nothing but the loop's own work: no timers, fingerprints, loggers or profilers. The recipe's own functions
+    # and lambdas (its loss, its input conversion) are the loop's work, written in the same file.
     roots = {call_root(n.func) for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Call)}
     batch_names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)} | {
         n.id for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    assert roots - batch_names <= {"run", "accelerator", "optimizer", "scheduler", "F", "model", "to_input"}, roots
+    own_functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} | {
+        t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Lambda)
+        for t in n.targets if isinstance(t, ast.Name)}
+    assert roots - batch_names - own_functions <= {"run", "accelerator", "optimizer", "scheduler", "F", "model"}, roots
 
 
 def call_root(node):
@@ -186,7 +281,6 @@ def test_runkit_module_owns_one_concern(module):
     tree = ast.parse(module.read_text())
     doc = ast.get_docstring(tree)
     assert doc and len(doc) > 80, f"{module.name}: a docstring that says what it owns"
-    assert len(module.read_text().splitlines()) <= 300
 
 
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.name)
@@ -218,8 +312,8 @@ def accelerate_calls(paths):
 
 
 def test_readme_pitch_names_exactly_the_accelerate_calls():
-    line = next(l for l in (REPO / "README.md").read_text().splitlines()
-                if l.startswith("Accelerate calls in the recipes:"))
+    line = next(text for text in (REPO / "README.md").read_text().splitlines()
+                if text.startswith("Accelerate calls in the recipes:"))
     named = set(re.findall(r"`(accelerator\.[a-z_]+)`", line))
     assert named == accelerate_calls(RECIPES), (named ^ accelerate_calls(RECIPES))
     assert "`Accelerator(...)`" in line

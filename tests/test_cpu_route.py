@@ -4,7 +4,7 @@ import importlib.util
 
 import torch
 
-from conftest import REPO
+from launching import REPO
 
 
 def load_route():

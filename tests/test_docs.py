@@ -1,6 +1,10 @@
-"""The documentation holds together: README stays a front page, its links resolve, and every
-summary.json key the recipes write is defined in docs/measuring.md. Quick: reads files only."""
+"""The documentation holds together: README stays a front page, its links resolve, every
+summary.json key the recipes write is defined in docs/measuring.md, each measured result is stated
+once (docs/recipes.md, with the docstrings' one-line Result), and what a new user tripped on stays
+fixed (set-up before the commands, where bf16 on a CPU is fast, ignored run outputs, requirements'
+comments). Quick: reads files only."""
 
+import ast
 import re
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -10,7 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
-PAGES = ["configs", "slurm", "checkpoints", "measuring", "troubleshooting"]  # issue #13
+PAGES = ["configs", "slurm", "checkpoints", "measuring", "troubleshooting",  # issue #13
+         "recipes", "writing-a-recipe"]  # issue #24
 README_MAX_LINES = 260
 
 # Every key the recipes write into summary.json (recipes/runkit/run.py, reporting.py, timing.py and
@@ -18,7 +23,7 @@ README_MAX_LINES = 260
 SUMMARY_KEYS = [
     # identity
     "recipe", "distributed_type", "world_size", "mixed_precision", "deepspeed_stage", "offload_optimizer",
-    "optimizer", "data_source", "grad_reduce_dtype", "overlap_comm",
+    "optimizer", "optimizer_implementation", "data_source", "grad_reduce_dtype", "overlap_comm",
     # progress, losses, evaluation
     "steps", "epochs", "resumed_from_step", "first_loss", "final_loss",
     "test_loss", "test_accuracy", "test_samples", "val_accuracy", "val_images", "val_loss",
@@ -143,3 +148,116 @@ def test_every_summary_key_is_defined_in_measuring():
     section = match.group(1)
     missing = [key for key in SUMMARY_KEYS if f"`{key}`" not in section]
     assert not missing, f'not defined under "Summary fields" in docs/measuring.md: {missing}'
+
+
+def recipe_results():
+    """{recipe file name: its docstring's `Result:` line} for every recipe that has one."""
+    found = {}
+    for path in sorted((REPO / "recipes").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        lines = [line.strip() for line in doc.splitlines() if line.lstrip().startswith("Result:")]
+        if lines:
+            found[path.name] = lines[0]
+    return found
+
+
+def figures(text):
+    """The numbers a result states (99.98%, 5.41, 8.3e-12, -0.98), without dates and file names."""
+    text = re.sub(r"\b\d{4}-\d{2}-\d{2}\b|\S+\.(?:md|py)\b|--\S+|\d+-core", " ", text)
+    return re.findall(r"-?\d+\.\d+(?:e-?\d+)?%?|\d+e-?\d+|\d+%", text)
+
+
+def section(text, heading):
+    match = re.search(rf"^## {re.escape(heading)}\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    return match.group(1) if match else ""
+
+
+def test_each_measured_result_is_stated_once_in_recipes_md():
+    """A docstring's Result line points at docs/recipes.md, whose section for the recipe holds the same
+    figures and date; the README links there instead of repeating them."""
+    results = recipe_results()
+    assert {"mnist.py", "gpt.py", "finetune_lm.py"} <= set(results), results
+    recipes_md = (DOCS / "recipes.md").read_text(encoding="utf-8")
+    readme = README.read_text(encoding="utf-8")
+    problems = []
+    for name, line in results.items():
+        body = section(recipes_md, name)
+        if "docs/recipes.md" not in line:
+            problems.append(f"{name}: its Result line does not point at docs/recipes.md")
+        if not body:
+            problems.append(f"{name}: no '## {name}' section in docs/recipes.md")
+            continue
+        for date in re.findall(r"\b\d{4}-\d{2}-\d{2}\b", line):
+            if date not in body:
+                problems.append(f"{name}: measured {date}, a date its section in docs/recipes.md does not give")
+        for figure in figures(line):
+            if not re.search(rf"(?<![\w.]){re.escape(figure)}(?![\w])", body):
+                problems.append(f"{name}: {figure} is not in its section of docs/recipes.md")
+            distinctive = "." in figure  # 99.98%, 5.41, 8.3e-12; not 100% or 1e5, which other prose may hold
+            if distinctive and re.search(rf"(?<![\w.-]){re.escape(figure)}(?![\w])", readme):
+                problems.append(f"{name}: README.md repeats {figure}; link docs/recipes.md instead")
+    assert not problems, "\n".join(problems)
+
+
+def test_figures_finds_the_numbers_of_a_result():
+    assert figures("Result: m = 1.99, n = -0.98 in 160 steps, measured 2026-11-22, 2-core CPU (docs/recipes.md).") == [
+        "1.99", "-0.98"]
+    assert figures("Result: 99.98% on --preset tiny, error 8.3e-12 at N = 1e5 (docs/recipes.md)") == [
+        "99.98%", "8.3e-12", "1e5"]
+
+
+def test_setup_advice_comes_before_the_two_commands():
+    """A new user follows the README from the top: the virtual environment and the CPU-only torch come
+    before the first command that installs the requirements, not after it."""
+    text = README.read_text(encoding="utf-8")
+    first_command = re.search(r"^```bash\n(?:.*\n)*?.*pip install -r requirements\.txt", text, re.M)
+    assert first_command, "README.md has no command block that installs requirements.txt"
+    before = text[:first_command.start()]
+    for advice in ("python3 -m venv", "--index-url https://download.pytorch.org/whl/cpu", "--retries", "--timeout",
+                   "cuda-bindings"):
+        assert advice in before, f"README.md: say {advice!r} before the first command, not after it"
+
+
+def paragraphs(text):
+    return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def test_cpu_bf16_speed_claims_say_where_they_hold():
+    """bf16 on a CPU is several times slower than fp32 without bf16 instructions and faster with AMX or
+    AVX512-BF16: a paragraph that says either must say which CPUs it means."""
+    texts = {str(p.relative_to(REPO)): p.read_text(encoding="utf-8") for p in markdown_files()}
+    for path in sorted((REPO / "recipes").glob("*.py")):
+        texts[str(path.relative_to(REPO))] = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    vague = [f"{name}: {p.strip()[:120]!r}" for name, text in texts.items() for p in paragraphs(text)
+             if re.search(r"bf16|bfloat16", p, re.I) and re.search(r"\bCPUs?\b", p)
+             and re.search(r"\b(slower|faster)\b", p) and not re.search(r"\bAMX\b|AVX512", p, re.I)]
+    assert not vague, "say where it holds (CPUs with AMX / AVX512-BF16, or without):\n" + "\n".join(vague)
+
+
+def test_run_outputs_are_ignored_by_git():
+    """The default output directory and the docs' --checkpoint-dir ckpt stay out of `git status`."""
+    patterns = {line.strip() for line in (REPO / ".gitignore").read_text(encoding="utf-8").splitlines()}
+    for folder in ("runs", "ckpt"):
+        assert patterns & {folder, f"{folder}/", f"/{folder}", f"/{folder}/"}, f".gitignore lacks /{folder}/"
+
+
+def test_requirements_comments_agree_with_the_imports():
+    """A comment that says no recipe imports a package is true."""
+    imported = set()
+    for path in sorted((REPO / "recipes").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+    comments, wrong = [], []
+    for line in (REPO / "requirements.txt").read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("#"):
+            comments.append(line)
+            continue
+        name = re.match(r"\s*([A-Za-z0-9_.-]*)", line).group(1)
+        said = " ".join(comments + [line.partition("#")[2]])
+        comments = []
+        if name and re.search(r"no recipe imports", said, re.I) and name.replace("-", "_").lower() in imported:
+            wrong.append(name)
+    assert not wrong, f"requirements.txt says no recipe imports {wrong}, but one does"

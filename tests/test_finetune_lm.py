@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import CONFIG_FILES, REPO, Run, frozen, rank_of, run_command, thawed
-from test_recipe_shelf import OFFLOAD, assert_engine, assert_refused, assert_shards_held
+from launching import CONFIG_FILES, OFFLOAD, REPO, Run, frozen, rank_of, run_command, thawed
+from run_checks import assert_engine, assert_refused, assert_shards_held
 from tiny_hf import corpus, write_all
 
 STEPS, BATCH, BLOCK = 8, 16, 32
@@ -53,7 +53,8 @@ def training(hf, model="model", data="pairs.jsonl"):
 @pytest.fixture(scope="session")
 def finetune(launch, hf):
     """finetune(config, *extra, model=..., data=...) -> Run, fp32, one launch per distinct argument list."""
-    def _finetune(config, *extra, model="model", data="pairs.jsonl", check=True, launch_args=("--mixed_precision", "no")):
+    def _finetune(config, *extra, model="model", data="pairs.jsonl", check=True,
+                  launch_args=("--mixed_precision", "no")):
         return launch(config, *training(hf, model, data), *extra, launch_args=launch_args,
                       recipe="recipes/finetune_lm.py", check=check)
     return _finetune

@@ -1,25 +1,23 @@
-"""The checkpoint rules that need no launch: what a checkpoint file may contain, and the directory lock.
+"""The checkpoint file rules that need no launch (recipes/runkit/integrity.py): what a checkpoint file may
+contain, and which rank hashes which files.
 
 The launches that prove the same end to end (a planted pickle under DDP, ZeRO-2, ZeRO-3 and FSDP; a
-second run refused; a dead holder's lock taken over) are in test_checkpoint_resume.py and
-test_stop_and_crash.py.
+truncated or flipped file refused) are in test_checkpoint_resume.py.
 """
 
 import io
-import json
 import os
 import pickle
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit import dirlock, integrity  # noqa: E402
+from runkit import integrity  # noqa: E402
 
 
 class RunsCode:
@@ -78,37 +76,3 @@ def test_hashing_is_shared_and_a_rank_hashes_its_own_files():
     assert sorted(shares[0] + shares[1]) == sorted(rels)  # every file once
     assert "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt" in shares[1]
     assert "pytorch_model_fsdp_0/__1_0.distcp" in shares[1]
-
-
-def test_directory_lock(tmp_path, capsys):
-    first = dirlock.DirectoryLock(tmp_path)
-    assert first.acquire() is None
-    second = dirlock.DirectoryLock(tmp_path)  # this process is alive: refused, naming it
-    assert f"is in use by pid {os.getpid()} on " in second.acquire()
-    # Taken over while the holder was suspended: the holder learns it at its next save, and leaves it alone.
-    record = json.loads((tmp_path / ".lock").read_text())
-    (tmp_path / ".lock").write_text(json.dumps({**record, "pid": 1, "since": 0}))
-    assert "another run took over" in first.lost()
-    first.release()
-    assert (tmp_path / ".lock").exists()
-
-    # A dead holder on this host: taken over at once, with a warning.
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / ".lock").write_text(json.dumps({**record, "pid": int(dead.stdout)}))
-    third = dirlock.DirectoryLock(tmp_path)
-    assert third.acquire() is None and third.lost() is None
-    assert f"taking over {tmp_path / '.lock'}: its holder, pid {int(dead.stdout)} on this host, is gone" in \
-        capsys.readouterr().err
-    third.release()
-    assert not (tmp_path / ".lock").exists()
-
-
-def test_requeued_job_takes_over_its_earlier_run(tmp_path, monkeypatch):
-    (tmp_path / ".lock").write_text(json.dumps({"host": "another-node", "pid": 4242, "job": "77", "restart": 0}))
-    monkeypatch.setenv("SLURM_JOB_ID", "78")
-    assert "Slurm job 77" in dirlock.DirectoryLock(tmp_path).acquire()  # another job, alive as far as we know
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    requeued = dirlock.DirectoryLock(tmp_path)
-    assert requeued.acquire() is None
-    requeued.release()

@@ -1,4 +1,4 @@
-"""Real multi-process launches of recipes/mnist.py under every config, on CPU (see conftest's CPU route)."""
+"""Real multi-process launches of recipes/mnist.py under every config, on CPU (see launching.py's CPU route)."""
 
 import json
 import math
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import ALL_CONFIGS, CONFIG_DIR, CONFIG_FILES, EXPECTED, TEST_SIZE, load_yaml
+from launching import ALL_CONFIGS, CONFIG_DIR, CONFIG_FILES, EXPECTED, TEST_SIZE, load_yaml
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,16 @@ def test_config_really_trains(launch, reference, config):
     else:  # replicated: every rank holds the same, synchronised weights
         assert all(n == s["param_elements"] for n in s["param_elements_per_rank"]), s
         assert len(set(s["param_checksum_per_rank"])) == 1, s
-    assert s["fsdp_units"] == (1 if config == "fsdp.yaml" else None)  # the ConvNet declares no block: one unit
+    if config == "fsdp.yaml":
+        # What each rank really holds, not how many units (the ConvNet is one unit under any wrap policy): FSDP2
+        # cuts every parameter along its first dimension, so each rank's element count and checksum are those of
+        # its pieces of the exported (gathered) weights. Weights left whole on each rank (no sharding) hold twice
+        # the elements; pieces other than the rank's own (a wrong placement) give other checksums.
+        elements, checksums = fsdp_shards(run.params(), world)
+        assert s["param_elements_per_rank"] == elements, s
+        assert s["param_checksum_per_rank"] == pytest.approx(checksums, rel=1e-9, abs=1e-9), s
+    else:
+        assert s["fsdp_units"] is None
     # Offload swaps the optimizer; the summary must say which one really ran.
     assert s["optimizer"] == ("DeepSpeedCPUAdam" if "offload" in config else "AdamW")
     # Each figure from its definition (docs/measuring.md, "Summary fields").
@@ -74,6 +83,19 @@ def test_config_really_trains(launch, reference, config):
     assert shipped["overlap_comm"] == (True if dist_type == "DEEPSPEED" else None), shipped
     assert (shipped["distributed_type"], shipped["steps"]) == (dist_type, 2)
     assert all(math.isfinite(x) for x in (shipped["first_loss"], shipped["final_loss"], shipped["test_loss"]))
+
+
+def fsdp_shards(weights, world):
+    """(elements per rank, checksum per rank) of the parameters FSDP2 gives each rank: each parameter cut along
+    its first dimension as torch.chunk cuts it (BatchNorm's running statistics are buffers, not sharded)."""
+    elements, checksums = [0] * world, [0.0] * world
+    for name, tensor in weights.items():
+        if name.endswith(("running_mean", "running_var", "num_batches_tracked")):
+            continue
+        for rank, piece in enumerate(torch.chunk(tensor, world)):
+            elements[rank] += piece.numel()
+            checksums[rank] += piece.double().sum().item()
+    return elements, checksums
 
 
 def shipped_precision(config):
@@ -143,8 +165,11 @@ def test_grad_accum_equals_one_large_batch(launch, config):
     accum = launch(config, *args, "--grad-accum", "2", launch_args=FP32)
     assert plain.summary["steps"] == accum.summary["steps"] == 8
     # Really accumulated: twice the micro-batches of half the size (not one batch of 128 per step).
-    assert "(2 x 32 per process)" in accum.output and "(1 x 64 per process)" in plain.output
-    assert accum.summary["timing"]["micro_batches"] + 1 == 2 * (plain.summary["timing"]["micro_batches"] + 1)
+    # Really accumulated: 2 micro-batches ran per optimizer step, against 1 (counted by the step timer, which sees
+    # every micro-batch the loop runs; its steady count leaves out the first). The same weights as one batch of
+    # 128 per step (below) then make each micro-batch half of it.
+    per_step = [(r.summary["timing"]["micro_batches"] + 1) / r.summary["steps"] for r in (plain, accum)]
+    assert per_step == [1, 2], per_step
     assert_same_params(plain.params(), accum.params())
     assert [m["loss"] for m in accum.metrics] == pytest.approx([m["loss"] for m in plain.metrics], rel=1e-4)
 
@@ -176,7 +201,8 @@ def test_gpu_config_on_cpu_refuses_independent_copies(launch):
     assert "the launcher started 2 processes" in run.output and "ACCELERATE_USE_CPU=1" in run.output
 
 
-@pytest.mark.parametrize("extra", [(), ("--stop-signals", "", "--stop-check-every", "1")], ids=["default", "no-signals"])
+@pytest.mark.parametrize("extra", [(), ("--stop-signals", "", "--stop-check-every", "1")],
+                         ids=["default", "no-signals"])
 def test_no_host_sync_between_progress_lines(launch, tmp_path, extra):
     """60 steps of 2-process DDP, a progress line every 20: .item(), .tolist(), .cpu(), cuda.synchronize and
     collectives (counted by the CPU shim per optimizer step) happen at start-up, at the progress lines and

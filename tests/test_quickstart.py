@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from conftest import CONFIG_DIR, FP32, REPO, TEST_SIZE, TRAIN_SIZE, cpu_route, deepspeed_precision, run_command
+from launching import CONFIG_DIR, FP32, REPO, TEST_SIZE, TRAIN_SIZE, cpu_route, deepspeed_precision, run_command
 
 QUICKSTART = REPO / "recipes" / "quickstart"
 TORCH_ONLY, WITH_ACCELERATE = QUICKSTART / "torch_only.py", QUICKSTART / "with_accelerate.py"

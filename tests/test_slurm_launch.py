@@ -5,8 +5,8 @@ import json
 import os
 import re
 import shutil
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,9 +15,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (DATA_ARGS, EXPECTED, REPO, TRAINING, Run, cpu_route, deepspeed_json_in, recipe_processes,
-                      skip_unless_ci)
-from test_checkpoint_resume import assert_identical_params, assert_same_steps
+from launching import (
+    DATA_ARGS,
+    EXPECTED,
+    REPO,
+    TRAINING,
+    Run,
+    cpu_route,
+    deepspeed_json_in,
+    recipe_processes,
+    skip_unless_ci,
+)
+from run_checks import assert_identical_params, assert_same_steps
 
 sys.path.insert(0, str(REPO / "launch"))
 import slurm_launch  # noqa: E402
@@ -214,8 +223,9 @@ def test_dry_run_prints_the_command_and_starts_nothing(tmp_path):
     out = subprocess.run([sys.executable, "launch/slurm_launch.py", "--dry-run", CONFIG, RECIPE, "--epochs", "1"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("[node 1 task 1] OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/2gpu.yaml "
-                                 "--num_machines 2 --machine_rank 1 --num_processes 4 --main_process_ip node1 ")
+    assert out.stdout.startswith("[node 1 task 1] OMP_NUM_THREADS=1 accelerate launch "
+                                 "--config_file accelerate_configs/2gpu.yaml --num_machines 2 --machine_rank 1 "
+                                 "--num_processes 4 --main_process_ip node1 ")
     assert out.stdout.rstrip().endswith("recipes/mnist.py --epochs 1")
 
 
@@ -286,7 +296,7 @@ def submit(cluster, sbatch_args, launch_args, data_dir, out_dir, env=None, wait=
     config = next((a for a in launch_args if a.endswith(".yaml")), "")
     shipped = config.startswith("accelerate_configs/") and (REPO / config).is_file()
     route_env = cpu_route(Path(config).name)[1] if shipped else {}
-    job_env = {"OMP_NUM_THREADS": "1", **route_env, **(env or {})}  # the CPU route of conftest
+    job_env = {"OMP_NUM_THREADS": "1", **route_env, **(env or {})}  # the CPU route of launching.py
     job = cluster.sbatch(["-o", str(log), *sbatch_args, *launch_args, *recipe_args], cwd=REPO, env=job_env)
     if not wait:
         return job, log
@@ -447,7 +457,7 @@ def test_per_gpu_mode_on_two_nodes(two_nodes, data_dir, tmp_path, reference, con
     ref, _ = reference(config)
     out = tmp_path / "out"
     state, log, _ = submit(two_nodes, PER_GPU_TWO_NODES, [str(fp32_config(tmp_path, config)), RECIPE], data_dir,
-                           out, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")},  # its CPU route (conftest)
+                           out, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")},  # its CPU route (launching.py)
                            training=TRAINING)
     assert state == "COMPLETED", log
     s = summary(out)

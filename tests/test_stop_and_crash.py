@@ -2,8 +2,9 @@
 
 Each test starts a run in the background, waits for a state it can see (a metrics line, a
 message), acts on the processes, and checks how the whole launch ends. The waits have deadlines
-only to turn a hang into a failure; nothing here asserts a duration except the 60 s limit the
-issue sets for a dead rank.
+only to turn a hang into a failure; the durations asserted are the 60 s limit the issue sets for a
+dead rank, and the 60 s in which a run must end once stopped (launching.STOP_SECONDS: a rank that
+ignored the stop agreement would otherwise hang until the 300 s collective timeout).
 """
 
 import hashlib
@@ -17,8 +18,8 @@ import time
 
 import pytest
 
-from conftest import FP32, REPO, TRAINING, Run, frozen, rank_of, skip_unless_ci, thawed
-from test_checkpoint_resume import assert_identical_params, assert_same_steps
+from launching import FP32, REPO, TRAINING, Run, frozen, rank_of, skip_unless_ci, thawed
+from run_checks import assert_identical_params, assert_same_steps
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def test_signal_to_one_rank_stops_all_and_resume_is_exact(start, launch, referen
     stop_step = run.steps_logged()
     os.kill(next(pid for pid in workers if rank_of(pid) == 1), signal.SIGUSR1)  # the other learns it by agreement
     thawed(workers)
-    assert run.finish() == 1  # torchrun reports the workers' 75 as 1 (launch/ reads the stop marker instead)
+    assert run.stops_within() == 1  # torchrun reports the workers' 75 as 1 (launch/ reads the stop marker instead)
     assert "stopped by" in run.output and "run the same command again to resume" in run.output
     stopped = sorted(p.name for p in ckpt.iterdir())[-1]
     assert stop_step <= int(stopped.split("-")[1]) <= stop_step + 1, (stop_step, stopped)
@@ -100,7 +101,7 @@ def test_dead_rank_ends_the_launch_within_60s(start, reference, tmp_path, phase)
     if phase != "training":
         args = [*TRAINING, "--checkpoint-dir", str(ckpt)]
     if phase == "save":
-        env = {"TEST_SLOW_SAVE_SECONDS": "600", "TEST_SLOW_SAVE_MATCH": "step-00000008"}
+        env = {"TEST_SLOW_SAVE_SECONDS": "600", "TEST_SLOW_SAVE_MATCH": "step-00000010"}
     if phase == "resume":
         _, saved = reference("2gpu.yaml")
         shutil.copytree(saved, ckpt)
@@ -133,20 +134,20 @@ def test_kill_during_save_keeps_previous_checkpoint(start, launch, reference, tm
     ref, _ = reference("2gpu.yaml")
     ckpt = tmp_path / "ckpt"
     run = start("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt),
-                env={"TEST_SLOW_SAVE_SECONDS": "600", "TEST_SLOW_SAVE_MATCH": "step-00000008"})
-    run.wait_until(lambda: "TEST-SHIM: slow save" in run.output, "save of step 8 in progress")
+                env={"TEST_SLOW_SAVE_SECONDS": "600", "TEST_SLOW_SAVE_MATCH": "step-00000010"})
+    run.wait_until(lambda: "TEST-SHIM: slow save" in run.output, "save of step 10 in progress")
     for pid in run.leftovers():  # the whole run at once, as a node failure would
         os.kill(pid, signal.SIGKILL)
     run.finish(deadline=60)
     # The lock of the killed run stays behind; its holder is dead, so the next run takes it over.
-    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", ".tmp-step-00000008", "step-00000004"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", ".tmp-step-00000010", "step-00000005"]
 
     resumed = launch("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt), launch_args=FP32)
-    assert f"removing {ckpt / '.tmp-step-00000008'}: a save that never finished" in resumed.output
+    assert f"removing {ckpt / '.tmp-step-00000010'}: a save that never finished" in resumed.output
     assert f"taking over {ckpt / '.lock'}: its holder, pid" in resumed.output
-    assert f"resumed from {ckpt / 'step-00000004'}" in resumed.output
+    assert f"resumed from {ckpt / 'step-00000005'}" in resumed.output
     assert_identical_params(ref.params(), resumed.params())
-    assert not (ckpt / ".tmp-step-00000008").exists()  # replaced by the complete step 8
+    assert not (ckpt / ".tmp-step-00000010").exists()  # replaced by the complete step 10
     assert not (ckpt / ".lock").exists()  # released at the end
 
 
@@ -157,8 +158,8 @@ def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, lau
     ref, _ = reference("2gpu.yaml")
     ckpt = tmp_path / "ckpt"
     run = start("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt),
-                env={"TEST_SLOW_SAVE_SECONDS": "600", "TEST_SLOW_SAVE_MATCH": "step-00000008"})
-    run.wait_until(lambda: "TEST-SHIM: slow save" in run.output and len(run.workers()) == 2, "save of step 8")
+                env={"TEST_SLOW_SAVE_SECONDS": "600", "TEST_SLOW_SAVE_MATCH": "step-00000010"})
+    run.wait_until(lambda: "TEST-SHIM: slow save" in run.output and len(run.workers()) == 2, "save of step 10")
     holder = json.loads((ckpt / ".lock").read_text())
     assert holder["pid"] in run.workers()
 
@@ -166,7 +167,7 @@ def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, lau
     assert second.returncode == 1, second.output[-3000:]
     assert f"--checkpoint-dir {ckpt} is in use by pid {holder['pid']} on {holder['host']}" in second.output
     assert run.proc.poll() is None  # the holder trains on, its directory untouched
-    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", ".tmp-step-00000008", "step-00000004"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", ".tmp-step-00000010", "step-00000005"]
 
     os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone
     end = time.monotonic() + 30
@@ -177,9 +178,44 @@ def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, lau
 
     rerun = launch("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt), launch_args=FP32, env={"TEST_RERUN": "1"})
     assert f"taking over {ckpt / '.lock'}: its holder, pid {holder['pid']} on this host, is gone" in rerun.output
-    assert f"resumed from {ckpt / 'step-00000004'}" in rerun.output
+    assert f"resumed from {ckpt / 'step-00000005'}" in rerun.output
     assert_identical_params(ref.params(), rerun.params())
     assert not (ckpt / ".lock").exists()
+
+
+def test_first_line_names_the_launcher_and_its_stop_works(start, tmp_path):
+    """Under accelerate launch the pid a user sees is the launcher's (SIGUSR1 would kill it: exit 138, no
+    checkpoint, a stale lock). The run's first line names that pid with SIGTERM, which the launcher passes on
+    to its workers: doing what it says stops every rank after the same step, with a checkpoint and the lock
+    released."""
+    ckpt = tmp_path / "ckpt"
+    run = start("2gpu.yaml", "--epochs", "50", "--log-every", "1", "--checkpoint-dir", str(ckpt))
+    run.wait_until(lambda: "stop with a checkpoint: " in run.output and run.steps_logged() >= 2, "step 2")
+    said = re.search(r"stop with a checkpoint: kill -TERM (\d+)", run.output)
+    assert said and int(said.group(1)) == run.proc.pid, run.output[-3000:]  # the launcher, not a worker
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.stops_within() == 1  # torchrun reports the workers' 75 as 1
+    assert re.search(r"stopped by SIGTERM after step \d+: checkpoint saved in", run.output), run.output[-3000:]
+    assert run.left == [] and any(p.name.startswith("step-") for p in ckpt.iterdir())
+    assert not (ckpt / ".lock").exists()
+
+
+def test_launcher_killed_while_its_workers_import(start):
+    """accelerate launch SIGKILLed about 0.3 s after its 2 workers appeared, while they still import torch (seconds
+    on a GPU node, with deepspeed and transformers): by the time a worker reaches Run(...), its parent is init or a
+    subreaper, and no parent death is left to catch. Each worker must see that its launcher is gone and exit
+    at once, instead of training on as an orphan (before the fix, both were still alive 200 s later)."""
+    run = start("2gpu.yaml", "--epochs", "50", "--log-every", "1")
+    run.wait_until(lambda: len(run.workers()) == 2, "2 workers started", deadline=120)
+    time.sleep(0.3)  # inside the import window; a worker that got further would die of PR_SET_PDEATHSIG, silently
+    os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone
+    end = time.monotonic() + 60  # importing takes a few seconds here; 60 s only turns a survivor into a failure
+    while run.workers() and time.monotonic() < end:
+        time.sleep(0.1)
+    assert run.workers() == [], f"workers outlived their launcher by 60 s:\n{run.output[-3000:]}"
+    # Each left through the start-up check (not killed by some other way), before any training step.
+    assert run.output.count("its launcher is gone (killed while this process started)") == 2, run.output[-3000:]
+    assert run.steps_logged() == 0
 
 
 def test_full_disk_during_a_save(launch, tmp_path):
@@ -198,7 +234,7 @@ def test_full_disk_during_a_save(launch, tmp_path):
                          r"[0-9.]+ MB left on its file system)\); the earlier checkpoints are untouched", run.output), \
             run.output[-3000:]
         saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))
-        assert saved and saved[0] == "step-00000004"
+        assert saved and saved[0] == "step-00000005"
         assert_intact(ckpt, saved)
     finally:
         subprocess.run(["umount", "-l", str(ckpt)], check=False)

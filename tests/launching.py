@@ -1,0 +1,288 @@
+"""Real `accelerate launch` runs of the recipes on this CPU-only machine, for every test file.
+
+Owns what a test needs to launch a recipe and read what the run left: the CPU route of each config,
+the launch command, the shared training arguments, the run's results (Run), a run in the background
+(Background), and the process helpers that find, freeze and signal its workers. The pytest fixtures
+built on these (launch, reference, start, shelf) are in conftest.py.
+
+How each config runs on CPU (the "CPU route"), found with accelerate 1.15 / torch 2.14:
+  * distributed_type NO or MULTI_GPU: ACCELERATE_USE_CPU=1, accelerate's own switch.
+    The launcher still starts one process per requested GPU, and the workers form
+    a gloo process group (MULTI_CPU).
+  * DEEPSPEED or FSDP: tests/cpu_shim on PYTHONPATH (it loads cpu_route/, the users' CPU route, plus two
+    test-only hooks), because ACCELERATE_USE_CPU=1 silently turns both off. The shim is on the path of every
+    launch: it also gives SyncBatchNorm (--sync-bn) a CPU path, and does nothing else.
+  * multi-node configs: overridden to one machine at 127.0.0.1.
+A free port is given to every launch so runs never collide.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from benchmark import deepspeed_json_in  # noqa: E402  (one place that makes a DeepSpeed JSON's fp32 copy)
+
+CONFIG_DIR = REPO / "accelerate_configs"
+CPU_SHIM = REPO / "tests" / "cpu_shim"
+CONFIG_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))  # every shipped config
+# The compiled variants are DDP / one GPU plus torch.compile: tests/test_compile.py launches them; the engine
+# matrix (every recipe under every config) runs the others.
+COMPILE_CONFIGS = [c for c in CONFIG_FILES if c.endswith("_compile.yaml")]
+ALL_CONFIGS = [c for c in CONFIG_FILES if c not in COMPILE_CONFIGS]
+
+# A tiny synthetic set: learnable in 2 epochs, an odd test size so the last
+# evaluation batch does not divide by 2 processes.
+TRAIN_SIZE, TEST_SIZE = 2000, 501
+DATA_ARGS = ["--synthetic-train-size", str(TRAIN_SIZE), "--synthetic-test-size", str(TEST_SIZE)]
+
+
+# The resume tests' training (fp32 for exact comparisons): 2 epochs of 10 optimizer steps, a
+# checkpoint every 4 steps and at each epoch end, all kept.
+FP32 = ("--mixed_precision", "no")
+TRAINING = ("--epochs", "2", "--batch-size", "200", "--log-every", "1", "--checkpoint-every", "5", "--keep-last", "0")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def skip_unless_ci(reason):
+    """Skip a test that this machine cannot run; under CI (CI=true) that is a failure, never a silent skip."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run this test: {reason}")
+    pytest.skip(reason)
+
+
+def load_yaml(config_name):
+    with open(CONFIG_DIR / config_name) as f:
+        return yaml.safe_load(f)
+
+
+def cpu_route(config_name):
+    """The launch arguments and environment that run `config_name` on this CPU machine."""
+    try:
+        cfg = load_yaml(config_name)
+    except yaml.YAMLError:
+        cfg = {"distributed_type": "MULTI_GPU"}  # a test of a broken file: accelerate must reject it
+    # The shim only acts on DeepSpeed/FSDP state and on SyncBatchNorm (--sync-bn); see its docstring.
+    args, env = ["--main_process_port", str(free_port())], {"PYTHONPATH": str(CPU_SHIM)}
+    if cfg["distributed_type"] not in ("DEEPSPEED", "FSDP"):
+        env["ACCELERATE_USE_CPU"] = "1"
+    if cfg.get("num_machines", 1) > 1:
+        args += ["--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
+                 "--num_processes", "2"]
+    return args, env
+
+
+def deepspeed_precision(config, launch_args, out_dir):
+    """A run asked for in fp32 (--mixed_precision no) under a DeepSpeed config gets a copy of the config's
+    JSON in that precision (bench/benchmark.py's deepspeed_json_in): accelerate ignores the flag there."""
+    launch_args = list(launch_args)
+    if "--mixed_precision" not in launch_args:
+        return []
+    precision = launch_args[launch_args.index("--mixed_precision") + 1]
+    try:
+        copy = deepspeed_json_in(config, precision, out_dir.parent / f"{out_dir.name}-deepspeed")
+    except (yaml.YAMLError, FileNotFoundError, AttributeError):
+        return []  # a test of a broken config: accelerate must reject it
+    return ["--deepspeed_config_file", str(copy)] if copy else []
+
+
+def launch_command(config, data_dir, out_dir, *recipe_args, launch_args=(), recipe="recipes/mnist.py"):
+    """(command, environment) of an `accelerate launch` of `recipe` under `config` on this machine."""
+    route_args, route_env = cpu_route(config)
+    route_args += deepspeed_precision(config, launch_args, Path(out_dir))
+    data = ["--data-dir", str(data_dir)] if recipe.endswith("mnist.py") else []
+    cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), *route_args, *launch_args,
+           recipe, *data, "--output-dir", str(out_dir), *(DATA_ARGS if data else []), *recipe_args]
+    return cmd, route_env
+
+
+def recipe_processes(marker, recipe="mnist.py"):
+    """PIDs of the recipe's processes (not launchers; DataLoader workers included) whose command line holds `marker`."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        # python -u recipes/mnist.py ...: not the batch shell, srun, slurm_launch or accelerate launch
+        if marker in argv and Path(argv[0]).name.startswith("python") and any(a.endswith(recipe) for a in argv[1:3]):
+            pids.append(int(entry))
+    return pids
+
+
+# What must really run on this machine under each config: (distributed type, world size, ZeRO stage,
+# parameters sharded). The GPU configs' MULTI_GPU becomes MULTI_CPU on the CPU route.
+EXPECTED = {
+    "cpu.yaml": ("NO", 1, None, False),
+    "1gpu.yaml": ("NO", 1, None, False),
+    "2gpu.yaml": ("MULTI_CPU", 2, None, False),
+    "multinode.yaml": ("MULTI_CPU", 2, None, False),
+    "deepspeed_zero1.yaml": ("DEEPSPEED", 2, 1, False),
+    "deepspeed_zero2.yaml": ("DEEPSPEED", 2, 2, False),
+    "deepspeed_zero3.yaml": ("DEEPSPEED", 2, 3, True),
+    "deepspeed_zero3_offload.yaml": ("DEEPSPEED", 2, 3, True),
+    "fsdp.yaml": ("FSDP", 2, None, True),
+    "1gpu_compile.yaml": ("NO", 1, None, False),
+    "2gpu_compile.yaml": ("MULTI_CPU", 2, None, False),
+}
+
+
+# The smaller recipes' matrix runs (conftest's `shelf` fixture): every recipe under every config.
+OFFLOAD = "deepspeed_zero3_offload.yaml"  # the config that swaps the optimizer for DeepSpeed's CPU Adam
+
+
+def recipe_args(recipe, config, data):
+    """The matrix run's arguments: small, fp32 where runs are compared, checkpoints where resumes are tested."""
+    ckpt = ["--checkpoint-dir", str(data / f"ckpt-{recipe}-{config}"), "--keep-last", "0"]
+    return {
+        "linear_regression": ["--epochs", "2", "--num-points", "256", "--batch-size", "32", "--log-every", "4",
+                              "--checkpoint-every", "4", "--plot", "--compare-batch-sizes", *ckpt],
+        "pi": ["--intervals", "1e3,1e5,1e6"],
+        "data_sharding": [],
+        "resnet": ["--data-dir", str(data / "images"), "--image-size", "16", "--batch-size", "16", "--epochs", "1",
+                   "--max-steps", "3", "--num-workers", "1", "--log-every", "1"],
+        "gpt": ["--preset", "tiny", "--data-files", str(data / "corpus.txt"), "--max-steps", "12", "--batch-size", "16",
+                "--log-every", "1", "--eval-every", "6", "--eval-batches", "4", "--warmup-steps", "2",
+                "--sample-tokens", "16", "--peak-tflops", "1", "--checkpoint-every", "4", *ckpt],
+    }[recipe]
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    out_dir: Path
+
+    @property
+    def summary(self):
+        with open(self.out_dir / "summary.json") as f:
+            return json.load(f)
+
+    @property
+    def metrics(self):
+        with open(self.out_dir / "metrics.jsonl") as f:
+            return [json.loads(line) for line in f]
+
+    def params(self):
+        from safetensors.torch import load_file
+        return load_file(str(self.out_dir / "model.safetensors"))
+
+
+def run_command(cmd, env=None, timeout=600, cwd=REPO):
+    """Run in its own process group; on a timeout kill the whole group so nothing is left behind."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout}s; output:\n{output[-5000:]}")
+    return proc.returncode, output
+
+
+# A stop signal ends a run within this time: the next agreement (a progress line), a checkpoint and the
+# processes' exit take seconds here; a rank that ignores the agreement would hang until the collective timeout.
+STOP_SECONDS = 60
+
+
+class Background:
+    """A launch running in its own session, its output in a file."""
+
+    def __init__(self, cmd, env, log_path, recipe="mnist.py"):
+        self.log_path, self.recipe = log_path, recipe
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.marker = str(log_path.parent)  # the output dir is on every process's command line
+
+    @property
+    def output(self):
+        return self.log_path.read_text()
+
+    def workers(self):
+        """PIDs of the recipe processes (not the launcher; DataLoader workers included) of this run."""
+        return recipe_processes(self.marker, self.recipe)
+
+    def leftovers(self):
+        """Every live process of this run, launcher included (zombies do not count)."""
+        alive = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().decode(errors="replace")
+                with open(f"/proc/{entry}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if self.marker in argv and state != "Z":
+                alive.append(int(entry))
+        return alive
+
+    def wait_until(self, condition, what, deadline=300):
+        end = time.monotonic() + deadline
+        while not condition():
+            if self.proc.poll() is not None:
+                pytest.fail(f"the run ended ({self.proc.returncode}) before {what}:\n{self.output[-4000:]}")
+            if time.monotonic() > end:
+                pytest.fail(f"no {what} after {deadline}s:\n{self.output[-4000:]}")
+            time.sleep(0.05)
+
+    def steps_logged(self):
+        path = self.log_path.parent / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def finish(self, deadline=300):
+        """Wait for the launcher; note which processes outlived it (self.left), then kill those."""
+        try:
+            return self.proc.wait(timeout=deadline)
+        finally:
+            self.left = self.leftovers()
+            for pid in self.left:
+                os.kill(pid, signal.SIGKILL)
+
+    def stops_within(self, seconds=STOP_SECONDS):
+        """After a stop signal: the launcher's exit code, once every rank has stopped, saved and exited within
+        `seconds`. A rank that ignores the stop agreement trains on, or waits in a collective that the others
+        left, until the collective timeout (300 s): that fails here, at the deadline, and says so."""
+        try:
+            return self.finish(deadline=seconds)
+        except subprocess.TimeoutExpired:
+            pass  # fail outside the handler: the message, not the timeout's traceback
+        pytest.fail(f"the run did not end within {seconds}s of the stop signal (a rank that ignores the stop "
+                    f"agreement, or a rank left waiting in a collective); processes killed: {self.left}\n"
+                    f"{self.output[-4000:]}")
+
+
+def rank_of(pid):
+    """The RANK the launcher gave this process (from its environment, not guessed from PIDs)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK="))[5:])
+
+
+def frozen(pids):
+    """Stop the processes so a signal sent now is handled at a known step, not after training ended."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+
+
+def thawed(pids):
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)

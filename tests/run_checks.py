@@ -1,0 +1,52 @@
+"""Assertions on what a launched run did, shared by several test files.
+
+Owns the comparisons between two runs (the same parameters bit for bit, the same metrics step by step,
+timings aside) and the checks on one run's summary (the engine that really ran, the part of the weights
+each rank holds, a config refused with one clear line).
+"""
+
+import torch
+
+from launching import EXPECTED
+
+
+def assert_identical_params(a, b):
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"parameters differ: {different}"
+
+
+TIMINGS = {"train_time_s", "samples_per_s", "tokens_per_s", "data_ms", "compute_ms", "forward_backward_ms",
+           "optimizer_ms", "other_ms", "data_fraction", "mfu"}
+
+
+def assert_same_steps(reference_metrics, resumed_metrics, after_step):
+    """The resumed run's metrics.jsonl lines after the resume equal the uninterrupted run's, line for line:
+    every field but the timings (loss, learning rate, epoch, step), exactly."""
+    expected = [{k: v for k, v in r.items() if k not in TIMINGS} for r in reference_metrics if r["step"] > after_step]
+    got = [{k: v for k, v in r.items() if k not in TIMINGS} for r in resumed_metrics if r["step"] > after_step]
+    assert got and got == expected
+
+
+def assert_engine(summary, config):
+    dist_type, world, stage, _ = EXPECTED[config]
+    assert (summary["distributed_type"], summary["world_size"], summary["deepspeed_stage"]) == (dist_type, world, stage)
+
+
+def assert_refused(run, words):
+    """A config that makes no sense for the recipe: one clear line, a non-zero exit, no traceback."""
+    assert run.returncode != 0
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and words in errors[0], run.output[-3000:]
+    # torchrun prints its own ChildFailedError traceback for any failed worker; the recipe must not add one.
+    assert "[rank0]: Traceback" not in run.output and "[rank1]: Traceback" not in run.output
+    assert "terminate called" not in run.output
+
+
+def assert_shards_held(summary, config):
+    per_rank = summary["param_elements_per_rank"]
+    if EXPECTED[config][3]:  # ZeRO-3 / FSDP: each rank really holds only its part
+        assert all(n < summary["param_elements"] for n in per_rank) and sum(per_rank) >= summary["param_elements"]
+    else:
+        assert all(n == summary["param_elements"] for n in per_rank)
+        assert len(set(summary["param_checksum_per_rank"])) == 1

@@ -1,0 +1,122 @@
+"""--report-to and --profile in the recipes: TensorBoard scalars read back, curves.png, the profiler's traces
+of every rank, and the step's time split in the summary."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from charts import TAB_BLUE, TAB_ORANGE, assert_drawn_png
+from launching import REPO, run_command
+
+
+def tensorboard_scalars(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tags = set()
+    for events in Path(log_dir).rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events.parent))
+        accumulator.Reload()
+        tags |= set(accumulator.Tags()["scalars"])
+    return tags
+
+
+def tensorboard_series(log_dir, tag):
+    """[(step, value)] of one scalar as TensorBoard reads it back, in the order it was written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    points = []
+    for folder in sorted({events.parent for events in Path(log_dir).rglob("events.out.tfevents.*")}):
+        accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every point
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            points += [(event.step, event.value) for event in accumulator.Scalars(tag)]
+    return points
+
+
+def assert_same_series(log_dir, metrics_path, key):
+    """The tracker got metrics.jsonl's `key`, step by step (TensorBoard keeps float32: 1e-6 relative)."""
+    logged = [(r["step"], r[key]) for r in map(json.loads, metrics_path.read_text().splitlines()) if key in r]
+    read_back = tensorboard_series(log_dir, key)
+    assert len(logged) >= 2 and [step for step, _ in read_back] == [step for step, _ in logged], (read_back, logged)
+    assert [value for _, value in read_back] == pytest.approx([value for _, value in logged], rel=1e-6), \
+        (read_back, logged)
+
+
+def traces(out_dir):
+    """{rank: events} of the torch.profiler traces a run wrote."""
+    found = {}
+    for path in (out_dir / "profile").glob("rank*.pt.trace.json"):
+        found[int(path.name.split(".")[0][4:])] = json.loads(path.read_text())["traceEvents"]
+    return found
+
+
+@pytest.mark.slow
+def test_mnist_reports_to_tensorboard_and_profiles_every_rank(launch):
+    run = launch("deepspeed_zero2.yaml", "--epochs", "2", "--batch-size", "200", "--log-every", "2",
+                 "--report-to", "tensorboard", "--profile", "2", launch_args=("--mixed_precision", "no"))
+    tags = tensorboard_scalars(run.out_dir / "tensorboard")
+    assert {"loss", "lr", "samples_per_s", "data_ms", "forward_backward_ms", "optimizer_ms", "other_ms",
+            "data_fraction", "test_accuracy", "test_loss"} <= tags, tags
+    assert_same_series(run.out_dir / "tensorboard", run.out_dir / "metrics.jsonl", "loss")
+    # figsize (11, 4) at dpi 100: the loss panel (train loss in blue, test loss in orange) and the accuracy panel
+    assert_drawn_png(run.out_dir / "curves.png", (1100, 400), [TAB_BLUE, TAB_ORANGE])
+    evals = [json.loads(line) for line in (run.out_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [10, 20] and evals[-1]["test_accuracy"] == run.summary["test_accuracy"]
+    by_rank = traces(run.out_dir)
+    assert sorted(by_rank) == [0, 1]  # every rank traced its own steps
+    for events in by_rank.values():
+        steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+        assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, steps  # one skipped, one warm-up, 2 recorded
+    timing = run.summary["timing"]
+    assert timing["micro_batches"] == 19 and timing["optimizer_in_backward"] is True  # DeepSpeed steps in backward
+    assert timing["forward_backward_ms"] > 0 and timing["other_ms"] > 0 and timing["samples_per_s"] > 0
+    assert len(run.summary["peak_memory_mb_per_rank"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, args, tags, size, colours", [
+    # curves.png: figsize (6, 4) with the loss panel only, (11, 4) with an accuracy panel; dpi 100
+    ("linear_regression", ["--epochs", "1", "--num-points", "128"], {"batch_loss", "lr", "m", "n"}, (600, 400),
+     [TAB_BLUE]),
+    ("gpt", ["--preset", "tiny", "--max-steps", "6", "--batch-size", "8", "--log-every", "1", "--eval-every", "3",
+             "--eval-batches", "2", "--sample-tokens", "0"],
+     {"loss", "lr", "tokens_per_s", "data_ms", "forward_backward_ms", "optimizer_ms", "val_loss"}, (600, 400),
+     [TAB_BLUE, TAB_ORANGE]),
+    ("resnet", ["--image-size", "16", "--batch-size", "16", "--epochs", "2", "--num-workers", "1", "--log-every", "1"],
+     {"loss", "lr", "samples_per_s", "data_ms", "forward_backward_ms", "optimizer_ms", "val_accuracy"}, (1100, 400),
+     [TAB_BLUE]),
+    ("finetune_lm", ["--block-size", "32", "--max-steps", "6", "--batch-size", "8", "--log-every", "1", "--eval-every",
+                     "3", "--eval-batches", "2", "--sample-tokens", "0"],
+     {"loss", "lr", "tokens_per_s", "data_ms", "forward_backward_ms", "optimizer_ms", "val_loss"}, (600, 400),
+     [TAB_BLUE, TAB_ORANGE]),
+])
+def test_every_training_recipe_reports_and_profiles(recipe, args, tags, size, colours, tmp_path):
+    from image_folder import write_image_folder
+    if recipe == "gpt":
+        (tmp_path / "corpus.txt").write_text("\n".join(f"line {i} of a small corpus {i * 7 % 11}" for i in range(800)))
+        args = [*args, "--data-files", str(tmp_path / "corpus.txt")]
+    if recipe == "resnet":
+        args = [*args, "--data-dir", str(write_image_folder(tmp_path / "images", 16, 4, size=16))]
+    if recipe == "finetune_lm":
+        from tiny_hf import write_all
+        hf = write_all(tmp_path / "hf")
+        args = [*args, "--model", str(hf / "model"), "--data-files", str(hf / "pairs.jsonl")]
+    out = tmp_path / "out"
+    code, output = run_command([sys.executable, f"recipes/{recipe}.py", *args, "--output-dir", str(out),
+                                "--report-to", "tensorboard", "--profile", "2"])
+    assert code == 0, output[-3000:]
+    assert tags <= tensorboard_scalars(out / "tensorboard")
+    loss_key = "batch_loss" if recipe == "linear_regression" else "loss"
+    assert_same_series(out / "tensorboard", out / "metrics.jsonl", loss_key)
+    assert_drawn_png(out / "curves.png", size, colours)
+    assert list(traces(out)) == [0]
+    summary = json.loads((out / "summary.json").read_text())
+    if recipe != "linear_regression":  # the SGD lab gathers (m, n) every step: its timing would mean nothing
+        assert summary["timing"]["micro_batches"] > 0 and summary["timing"]["optimizer_ms"] > 0
+
+
+def test_unknown_report_target_is_one_line():
+    out = subprocess.run([sys.executable, "recipes/mnist.py", "--report-to", "wandb"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "invalid choice: 'wandb'" in out.stderr
