@@ -91,8 +91,8 @@ def test_world_size_change_where_it_can_work(launch, reference):
     ref, ckpt = reference("2gpu.yaml", "--sync-bn")
     resumed = launch("cpu.yaml", *TRAINING, "--sync-bn", "--resume", str(ckpt / MID_EPOCH), launch_args=FP32)
     assert "written by 2 processes" in resumed.output and resumed.summary["world_size"] == 1
-    # Resumed, not retrained: it starts after step 12 and follows the reference's losses from there.
-    assert resumed.summary["resumed_from_step"] == 12 and resumed.metrics[0]["step"] == 13
+    # Resumed, not retrained: it starts after step 15 and follows the reference's losses from there.
+    assert resumed.summary["resumed_from_step"] == 15 and resumed.metrics[0]["step"] == 16
     reference_losses = {r["step"]: r["loss"] for r in ref.metrics}
     for r in resumed.metrics:
         assert r["loss"] == pytest.approx(reference_losses[r["step"]], rel=1e-4), r["step"]

@@ -280,10 +280,13 @@ class Run:
         return self.stopping or s["step_in_epoch"] == self.steps_per_epoch or s["step"] >= self.total_steps
 
     def _evaluation_due(self, where):
-        """Every eval_every steps and at the last step; or, with eval_every 0, at each epoch's end. Never
-        after a stop: the resumed run evaluates where the uninterrupted one would have."""
+        """Every eval_every steps and at the last step; or, with eval_every 0, at each epoch's end; and at
+        the end of a run whose last evaluation is not of its last step (--epochs 0 evaluates the initial
+        model). Never after a stop: the resumed run evaluates where the uninterrupted one would have."""
         if not self.evaluate_fn or self.stopping:
             return False
+        if where == "end":
+            return self.state["last_eval"] is None or self.state["last_eval"]["step"] != self.state["step"]
         if where == "step":
             return bool(self.eval_every) and (self.state["step"] % self.eval_every == 0
                                               or self.state["step"] >= self.total_steps)
@@ -358,6 +361,8 @@ class Run:
             teardown(acc)
             return code
         self.stopper.ignore_from_now()
+        if self._evaluation_due("end"):
+            self._evaluate("end")
         state_dict = acc.get_state_dict(model)  # collective: gathers ZeRO-3 / FSDP shards
         shards = footprint(acc, model)
         timing = self.timer.timing(self.samples_per_micro, self.unit)
