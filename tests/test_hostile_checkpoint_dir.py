@@ -33,8 +33,9 @@ SECRET = b"SENTINEL-SECRET-9f27c1"  # the content of a file outside the checkpoi
 
 def command(data_dir, out, *extra):
     """One process, 2 epochs of 4 steps, a checkpoint every 2 steps."""
-    return [sys.executable, str(REPO / "recipes" / "mnist.py"), "--data-dir", str(data_dir), *DATA_ARGS, "--epochs",
-            "2", "--batch-size", "500", "--log-every", "1", "--checkpoint-every", "2", "--output-dir", str(out), *extra]
+    return [sys.executable, str(REPO / "recipes" / "mnist.py"), "--data", "synthetic", "--data-dir", str(data_dir),
+            *DATA_ARGS, "--epochs", "2", "--batch-size", "500", "--log-every", "1", "--checkpoint-every", "2",
+            "--output-dir", str(out), *extra]
 
 
 @pytest.fixture(scope="module")

@@ -173,7 +173,7 @@ class DirectoryLock:
         holder = {**fields, **holder}
         if holder.get("host") == self.me["host"] and not _alive(holder["pid"]):
             return holder, f"its holder, pid {holder['pid']} on this host, is gone"
-        if self.me["job"] and holder.get("job") == self.me["job"] and holder.get("restart", 0) < self.me["restart"]:
+        if self.me["job"] and holder.get("job") == self.me["job"] and (holder.get("restart") or 0) < self.me["restart"]:
             return holder, f"its holder is an earlier run of this job ({self.me['job']}), which Slurm requeued"
         if age > STALE_S:
             return holder, f"its holder has not touched it for {age:.0f} s"
