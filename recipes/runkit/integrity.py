@@ -276,11 +276,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _safe_metadata_load(file, *args, **kwargs):
+def _safe_metadata_load(file, *args, name=None, **kwargs):
+    """name: what to call the file in a refusal (default its path; a file opened from a descriptor has none)."""
     try:
         return _MetadataUnpickler(file).load()
     except Exception as exc:
-        raise UnsafeCheckpointFile(f"{getattr(file, 'name', file)}: refused ({exc})") from None
+        raise UnsafeCheckpointFile(f"{name or getattr(file, 'name', file)}: refused ({exc})") from None
 
 
 # What torch.distributed.checkpoint.filesystem gets for `pickle` while a checkpoint loads: saving is unchanged.
@@ -405,7 +406,7 @@ def check_loadable(root, rels, files=None):
             try:
                 if kind == "metadata":
                     with open_regular(path, size, rel) as f:
-                        problem = _storage_problem(rel, _safe_metadata_load(f), files)
+                        problem = _storage_problem(rel, _safe_metadata_load(f, name=rel), files)
                 elif kind == "torch":
                     with open_regular(path, size, rel) as f:
                         problem = _zip_problem(rel, f)
