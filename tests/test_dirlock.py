@@ -1,5 +1,6 @@
 """The directory lock (recipes/runkit/dirlock.py) without a launch: one writer per --checkpoint-dir, a
-live holder named, a dead holder's lock taken over, a requeued Slurm job taking over its own earlier run.
+live holder named, a dead holder's lock taken over, a requeued Slurm job taking over its own earlier run; a lock
+that is garbage, out of range, a link or a FIFO; a directory others can write refused.
 
 The launches that prove the same end to end (a second run refused; a dead holder's lock taken over) are
 in test_stop_and_crash.py.

@@ -1,8 +1,10 @@
 """The checkpoint file rules that need no launch (recipes/runkit/integrity.py): what a checkpoint file may
-contain, and which rank hashes which files.
+contain (no code, plain numpy RNG state, no compressed torch zip), that links, FIFOs and malformed manifests
+are refused with a reason, and which rank hashes which files.
 
 The launches that prove the same end to end (a planted pickle under DDP, ZeRO-2, ZeRO-3 and FSDP; a
-truncated or flipped file refused) are in test_checkpoint_resume.py.
+truncated or flipped file refused) are in test_checkpoint_resume.py; the attacks of someone who can write into
+--checkpoint-dir, in test_hostile_checkpoint_dir.py.
 """
 
 import io
