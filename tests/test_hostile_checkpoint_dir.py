@@ -120,6 +120,7 @@ def test_dcp_storage_paths_stay_inside_the_checkpoint(launch, reference, tmp_pat
                  launch_args=FP32, check=False, timeout=HANG_S)
     assert run.returncode == 1, run.output[-3000:]
     assert_refused(run, f"{rel}: refused (it points a tensor at a file its checkpoint does not list)")
+    assert recipe_processes(str(run.out_dir)) == [], "a recipe process outlived its run"
     assert not [p for p in (tmp_path / "next").rglob("*") if p.is_file() and SECRET in p.read_bytes()]
     assert not [p for p in tmp_path.rglob("step-*") if p != work]
     # The same pre-scan every rank runs, on the same real checkpoint: an absolute path, a length past the file.
