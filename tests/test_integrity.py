@@ -85,8 +85,11 @@ class _BadDtype:
     """A uint32 dtype whose pickled state carries a subarray: every class it needs is on the allowlist, and an
     array built on it can crash numpy's repr."""
 
+    def __init__(self, subarray=(np.dtype("u4"), (1 << 20,))):
+        self.subarray = subarray
+
     def __reduce__(self):
-        return np.dtype, ("u4", False, True), (3, "<", (np.dtype("u4"), (1 << 20,)), None, None, -1, -1, 0)
+        return np.dtype, ("u4", False, True), (3, "<", self.subarray, None, None, -1, -1, 0)
 
 
 def test_numpy_in_a_torch_file_must_be_plain_rng_state(tmp_path):
@@ -98,6 +101,12 @@ def test_numpy_in_a_torch_file_must_be_plain_rng_state(tmp_path):
         "random_states_0.pkl: refused (it holds a numpy dtype other than plain uint32/uint64)")
     problem = integrity.check_loadable(tmp_path, ["floats.pkl"])
     assert problem is not None and problem.startswith("floats.pkl: "), problem
+    # An object subarray: torch's weights-only unpickler already refuses numpy's object dtype; the walk, given
+    # such a dtype however it was built, refuses it without printing it.
+    evil = pickle.loads(pickle.dumps(_BadDtype(subarray=(np.dtype("O"), (2,)))))
+    assert evil.type is np.uint32 and evil.subdtype is not None
+    assert integrity._numpy_problem("random_states_0.pkl", {"random_state": ("MT19937", evil)}) == (
+        "random_states_0.pkl: refused (it holds a numpy dtype other than plain uint32/uint64)")
 
 
 def test_a_compressed_torch_file_is_refused_before_loading(tmp_path):
