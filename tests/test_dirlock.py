@@ -1,5 +1,6 @@
 """The directory lock (recipes/runkit/dirlock.py) without a launch: one writer per --checkpoint-dir, a
-live holder named, a dead holder's lock taken over, a requeued Slurm job taking over its own earlier run.
+live holder named, a dead holder's lock taken over, a requeued Slurm job taking over its own earlier run; a lock
+that is garbage, out of range, a link or a FIFO; a directory others can write refused.
 
 The launches that prove the same end to end (a second run refused; a dead holder's lock taken over) are
 in test_stop_and_crash.py.
@@ -48,3 +49,42 @@ def test_requeued_job_takes_over_its_earlier_run(tmp_path, monkeypatch):
     requeued = dirlock.DirectoryLock(tmp_path)
     assert requeued.acquire() is None
     requeued.release()
+
+
+def test_a_lock_that_is_not_one_is_a_message_or_a_takeover(tmp_path, capsys):
+    lock = tmp_path / ".lock"
+    # Garbage, a pid past any pid_max, wrong types: an unknown holder, refused while fresh, taken over once stale.
+    for content in ("not json {", json.dumps({"host": "x", "pid": 2 ** 70}), json.dumps([1, 2]),
+                    json.dumps({"host": 5, "pid": "1"})):
+        lock.write_text(content)
+        assert "in use by an unknown holder" in dirlock.DirectoryLock(tmp_path).acquire()
+        os.utime(lock, (0, 0))
+        taker = dirlock.DirectoryLock(tmp_path)
+        assert taker.acquire() is None
+        assert "its content is not a lock this code writes (an unknown holder)" in capsys.readouterr().err
+        taker.release()
+    # A dangling link: unlinked (never followed) and taken over at once.
+    os.symlink(tmp_path / "nowhere", lock)
+    taker = dirlock.DirectoryLock(tmp_path)
+    assert taker.acquire() is None and "it is a symbolic link" in capsys.readouterr().err
+    taker.release()
+    assert not (tmp_path / "nowhere").exists()
+    # A FIFO: one message naming it, no blocking open.
+    os.mkfifo(lock)
+    assert f"{lock} is not a lock file this code writes (a FIFO" in dirlock.DirectoryLock(tmp_path).acquire()
+
+
+def test_a_directory_others_can_write_is_refused_unless_sticky(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    lock, error = dirlock.take(str(shared))
+    assert lock is None and f"chmod go-w {shared}" in error and "chmod +t" in error
+    assert not (shared / ".lock").exists()
+    shared.chmod(0o1777)
+    lock, error = dirlock.take(str(shared))
+    assert error is None
+    lock.release()
+    lock, error = dirlock.take(str(tmp_path / "new"))  # created for the run: only its user writes there
+    assert error is None and (tmp_path / "new").stat().st_mode & 0o077 == 0
+    lock.release()

@@ -9,7 +9,7 @@ Layout of --checkpoint-dir:
                         checkpoint.json (training state, world size, and the size and
                         SHA-256 of every file), written last
     .tmp-step-00000130/ a save in progress, or one a crash interrupted: never loaded,
-                        removed by the next run once it holds the lock
+                        removed by the next run once it holds the lock (a link: unlinked)
     .lock               the run that writes here: host, pid, Slurm job id (one writer per directory)
 
 Every rank calls save() and resume(): accelerate's save_state/load_state are collective
@@ -18,6 +18,10 @@ A checkpoint becomes visible by one atomic rename, after every rank has finished
 and the main process has recorded the checksums, so a kill at any moment leaves either
 the old set of checkpoints or the old set plus one complete new one. The ranks share the
 hashing, and loading never runs code from a file (integrity.py).
+
+Others may write into --checkpoint-dir (docs/checkpoints.md, the threat model): a save writes into a
+.tmp directory it created (mode 0700) and publishes it only if it is still that directory; rotation
+deletes only checkpoints this run family wrote, older than the one just saved, and never follows a link.
 """
 
 import argparse
@@ -25,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 
@@ -102,6 +107,7 @@ class Checkpointer:
         self.accelerator, self.directory, self.keep_last = accelerator, directory, keep_last
         self.must_match, self.model, self.lock = must_match, model, lock
         self.last_saved_step = None
+        self.reported = set()  # step-* entries rotation left alone, each reported once
         self.times = {"saves": 0, "save_write_s": 0.0, "save_checksum_s": 0.0, "resume_verify_s": None,
                       "resume_load_s": None}
 
@@ -122,10 +128,16 @@ class Checkpointer:
         final, tmp = os.path.join(self.directory, name), os.path.join(self.directory, f".tmp-{name}")
         agree(self.accelerator, (None, self.lock.lost() if self.lock else None))  # another run took the directory over
         started = time.perf_counter()
+        made, error = None, None
         if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this step
-            os.makedirs(tmp)
-        acc.wait_for_everyone()
+            try:
+                remove_entry(tmp)  # left by a run killed while saving this step, or a planted link
+                os.mkdir(tmp, 0o700)  # only this user writes in it
+                made = _identity(tmp)
+            except OSError as exc:
+                error = f"saving checkpoint {final} failed: cannot create {tmp} ({exc}); the earlier checkpoints " \
+                        f"are untouched"
+        agree(self.accelerator, (None, error))
         try:
             acc.save_state(tmp)
             self._save_rank_buffers(tmp)
@@ -147,7 +159,7 @@ class Checkpointer:
             table = file_table(tmp, mine)
             for rel in mine:
                 fsync(os.path.join(tmp, rel))
-        except OSError as exc:
+        except OSError as exc:  # RefusedFile too: a link or FIFO where this save wrote a file
             error = f"rank {acc.process_index}: {exc}"
         tables = gather_object([(table, error)]) if acc.num_processes > 1 else [(table, error)]
         error = None
@@ -168,16 +180,20 @@ class Checkpointer:
                 files.update(file_table(tmp, unhashed))
                 manifest = {"step": step, "layout": layout(acc), "must_match": self.must_match,
                             "train_state": train_state, "files": files}
-                with open(os.path.join(tmp, MANIFEST), "w") as f:
+                self._still_ours(tmp, made, final)
+                fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                with os.fdopen(fd, "w") as f:
                     json.dump(manifest, f, indent=1)
                     f.flush()
                     os.fsync(f.fileno())
-                shutil.rmtree(final, ignore_errors=True)  # an older save of this very step (a rerun)
+                remove_entry(final)  # an older save of this very step (a rerun), or a planted link
+                self._still_ours(tmp, made, final)
                 os.replace(tmp, final)  # the moment the checkpoint becomes visible
                 fsync(self.directory)
             except OSError as exc:
                 error = f"saving checkpoint {final} failed ({exc}); the earlier checkpoints are untouched"
-                shutil.rmtree(tmp, ignore_errors=True)  # a full disk: give back what this save took
+                if _identity(tmp) == made:
+                    shutil.rmtree(tmp, ignore_errors=True)  # a full disk: give back what this save took
             except RuntimeError as exc:
                 error = str(exc)
         agree(self.accelerator, (None, error))
@@ -189,12 +205,54 @@ class Checkpointer:
         if acc.is_main_process:
             print(f"checkpoint saved: {final} (written in {written - started:.1f} s, checksums by "
                   f"{acc.num_processes} rank(s) in {done - written:.1f} s)", flush=True)
-            for _, old in self._complete()[:-self.keep_last] if self.keep_last else []:
-                try:
-                    shutil.rmtree(old)
-                except OSError as exc:  # the new checkpoint is complete: a warning, not an error
-                    print(f"warning: --keep-last {self.keep_last}: saved {final}, but could not remove the older "
-                          f"checkpoint {old} ({exc}); remove it by hand", file=sys.stderr, flush=True)
+            if self.keep_last:
+                self._rotate(step, final)
+
+    def _still_ours(self, tmp, made, final):
+        """Main process: refuse to publish when `tmp` is no longer the directory this save created (someone
+        replaced it, e.g. by a link, while the ranks wrote into it)."""
+        if _identity(tmp) != made:
+            raise RuntimeError(f"saving checkpoint {final} failed: {tmp} was replaced while this run wrote into it "
+                               f"(someone else writes into {self.directory}); nothing was published. Use a "
+                               f"--checkpoint-dir only you can write to (chmod go-w), and check the files there")
+
+    def _rotate(self, step, final):
+        """Main process, after `final` (step `step`) is published: delete the oldest checkpoints this run family
+        wrote beyond --keep-last. Only real directories with a manifest read_manifest accepts, of this run's
+        layout family and an older step, count; a step-* link is unlinked, never followed; anything else that
+        only looks like a checkpoint is left alone and reported once."""
+        ours, strange, now = [], [], layout(self.accelerator)
+        for name in sorted(os.listdir(self.directory)):
+            m, path = NAME.match(name), os.path.join(self.directory, name)
+            if not m or path == final:
+                continue
+            try:
+                mode = os.lstat(path).st_mode
+                if stat.S_ISLNK(mode):
+                    os.unlink(path)  # the link itself: its target is not ours to delete
+                    print(f"warning: removed {path}: a symbolic link, not a checkpoint this code writes",
+                          file=sys.stderr, flush=True)
+                    continue
+                manifest = read_manifest(path, contents=False) if stat.S_ISDIR(mode) else None
+            except (OSError, ValueError):
+                manifest = None
+            if (manifest and manifest["step"] == int(m.group(1)) < step
+                    and manifest["layout"]["family"] == now["family"]):
+                ours.append(path)
+            else:
+                strange.append(path)
+        for old in ours[:max(0, len(ours) - (self.keep_last - 1))]:  # the one just saved counts as kept
+            try:
+                shutil.rmtree(old)
+            except OSError as exc:  # the new checkpoint is complete: a warning, not an error
+                print(f"warning: --keep-last {self.keep_last}: saved {final}, but could not remove the older "
+                      f"checkpoint {old} ({exc}); remove it by hand", file=sys.stderr, flush=True)
+        new = [p for p in strange if p not in self.reported]
+        if new:
+            self.reported.update(new)
+            print(f"warning: --keep-last {self.keep_last}: left alone {', '.join(new)}: not a checkpoint this run "
+                  f"wrote before {final} (no valid {MANIFEST}, another layout, or a later step); remove it by hand "
+                  f"if it is yours", file=sys.stderr, flush=True)
 
     def choose(self, spec):
         """Collective. The checkpoint `spec` names (auto: the newest usable one), checked by every rank for
@@ -210,7 +268,7 @@ class Checkpointer:
             mine = my_share(list(manifest["files"]), acc.process_index, acc.num_processes)
             try:
                 damage = check_files(path, {rel: manifest["files"][rel] for rel in mine})
-                unsafe = None if damage else check_loadable(path, mine)
+                unsafe = None if damage else check_loadable(path, mine, manifest["files"])
             except OSError as exc:
                 damage, unsafe = f"it cannot be read ({exc})", None
             damage, unsafe = self._all_ranks(damage, unsafe)
@@ -298,8 +356,10 @@ class Checkpointer:
         found, held = [], self._complete()
         for _, path in reversed(held):
             try:
+                if not stat.S_ISDIR(os.lstat(path).st_mode):
+                    raise ValueError("a symbolic link or a file, not a checkpoint directory this code writes")
                 found.append((path, read_manifest(path)))
-            except ValueError as exc:
+            except (OSError, ValueError) as exc:
                 print(f"warning: skipping checkpoint {path}: {exc}", file=sys.stderr, flush=True)
         return (found, len(held)), None
 
@@ -307,3 +367,24 @@ class Checkpointer:
         """The run is over: let the next run write here."""
         if self.lock:
             self.lock.release()
+
+
+def _identity(path):
+    """(device, inode) of the entry at `path` itself (not followed), or None."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+
+def remove_entry(path):
+    """Remove whatever is at `path`: a directory tree, or a link or file itself (never what a link points to)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)

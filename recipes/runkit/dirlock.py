@@ -1,11 +1,16 @@
 """One writer per --checkpoint-dir: the lock that keeps two runs from mixing and rotating away each
-other's checkpoints (a second job, a requeued twin, a rerun while orphans of a killed launch live on)."""
+other's checkpoints (a second job, a requeued twin, a rerun while orphans of a killed launch live on).
+
+Also owns the directory's permissions: one that group or others can write into is refused unless it has
+the sticky bit (others could replace this run's files and directories there). The lock file itself is
+untrusted: whatever is at .lock (a link, a FIFO, garbage) is one message or a takeover, never a hang."""
 
 import atexit
 import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import threading
 import time
@@ -13,13 +18,22 @@ import time
 LOCK = ".lock"
 TAKEOVER = ".lock.takeover"  # held (O_EXCL) by the one run replacing a stale lock, for a moment
 HEARTBEAT_S, STALE_S = 30, 180  # the holder touches its lock every 30 s; 3 minutes without a touch: dead
+PID_MAX = 1 << 22  # Linux's largest pid_max: a holder on another host may have any pid up to it
+LOCK_MAX_BYTES = 4096  # a lock holds a few fields; more is not a lock this code wrote
+
+
+class NotALock(OSError):
+    """What is at .lock is a FIFO, a device or a socket: it cannot be read or safely replaced."""
 
 
 def take(directory):
     """Main process: (lock, None) once this run holds `directory`, its unfinished saves removed; or
     (None, the message saying why not)."""
     try:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)  # a new one: only this user writes in it
+        error = writable_by_others(directory)
+        if error:
+            return None, error
         lock = DirectoryLock(directory)
         error = lock.acquire()
     except OSError as exc:
@@ -27,9 +41,28 @@ def take(directory):
     if error:
         return None, error
     for leftover in (n for n in os.listdir(directory) if n.startswith(".tmp-")):
-        print(f"removing {os.path.join(directory, leftover)}: a save that never finished", file=sys.stderr, flush=True)
-        shutil.rmtree(os.path.join(directory, leftover), ignore_errors=True)
+        path = os.path.join(directory, leftover)
+        print(f"removing {path}: a save that never finished", file=sys.stderr, flush=True)
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)  # a link or a file: itself, never what a link points to
+        except OSError:
+            pass
     return lock, None
+
+
+def writable_by_others(directory):
+    """None, or the message refusing a directory that group or others can write into without the sticky bit:
+    anyone of them could rename this run's files and directories there and put their own in place."""
+    mode = os.stat(directory).st_mode
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        who = "group and others" if mode & 0o022 == 0o022 else ("its group" if mode & 0o020 else "others")
+        return (f"--checkpoint-dir {directory} can be written by {who} (mode {stat.S_IMODE(mode):o}): they could "
+                f"replace this run's checkpoints and saves. Run `chmod go-w {directory}`, or `chmod +t {directory}` "
+                f"for a shared directory (then only each file's owner may remove or rename it), and run again.")
+    return None
 
 
 class DirectoryLock:
@@ -54,7 +87,10 @@ class DirectoryLock:
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             except FileExistsError:
-                holder, why = self._stale()
+                try:
+                    holder, why = self._stale()
+                except NotALock as exc:
+                    return str(exc)
                 if why is None:
                     return self._refusal(holder)
                 if not self._take_over(holder, why):
@@ -68,7 +104,10 @@ class DirectoryLock:
             atexit.register(self.release)
             threading.Thread(target=self._heartbeat, daemon=True, name="checkpoint-dir lock").start()
             return None
-        return self._refusal(self._stale()[0])
+        try:
+            return self._refusal(self._stale()[0])
+        except NotALock as exc:
+            return str(exc)
 
     def _take_over(self, holder, why):
         """Remove the stale lock, unless another run is replacing it right now."""
@@ -83,37 +122,58 @@ class DirectoryLock:
         except FileExistsError:
             return False
         try:
-            if self._read() == holder:  # still the lock judged stale, not one a faster run just made
+            if self._inspect()[2] == holder.get("identity"):  # still the lock judged stale, not a faster run's
                 print(f"warning: taking over {self.path}: {why}", file=sys.stderr, flush=True)
-                os.unlink(self.path)
-        except FileNotFoundError:
+                os.unlink(self.path)  # a link itself, never what it points to
+        except (FileNotFoundError, NotALock):
             pass
         finally:
             os.unlink(guard)
         return True
 
-    def _read(self):
-        with open(self.path) as f:
-            return json.load(f)
+    def _inspect(self):
+        """(holder, age in s, identity) of what is at .lock: holder the lock's fields when they are a lock this
+        code writes, "link" for a symbolic link, else None (an unknown holder); identity tells one lock file from
+        its replacement. Raises FileNotFoundError when there is none, NotALock for a FIFO, device or socket.
+        Opened O_NOFOLLOW|O_NONBLOCK and checked with fstat: nothing here blocks or follows a link."""
+        st = os.lstat(self.path)
+        identity, age = (st.st_dev, st.st_ino, st.st_mtime_ns), time.time() - st.st_mtime
+        if stat.S_ISLNK(st.st_mode):
+            return "link", age, identity
+        if not stat.S_ISREG(st.st_mode):
+            raise NotALock(f"{self.path} is not a lock file this code writes (a FIFO, device or socket): another "
+                           f"user or program put it there. Remove it (rm {self.path}) and run again.")
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            return None, age, identity  # replaced by a link or made unreadable meanwhile: unknown
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None, age, identity
+            data = os.read(fd, LOCK_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        return _holder(data), age, identity
 
     def _stale(self):
-        """(holder, None) for a live holder, or (holder, why it is stale)."""
+        """(holder, None) for a live holder, or (holder, why it is stale); holder: {"fields": the lock's fields or
+        {} when unknown, "identity": which lock file was judged}. Raises NotALock."""
         try:
-            holder = self._read()
-            age = time.time() - os.stat(self.path).st_mtime
+            fields, age, identity = self._inspect()
         except FileNotFoundError:
             return {}, "it was just released"
-        except (OSError, ValueError):
-            try:
-                age = time.time() - os.lstat(self.path).st_mtime
-            except FileNotFoundError:
-                return {}, "it was just released"
-            return {}, (None if age < STALE_S else f"an unreadable lock, untouched for {age:.0f} s")
-        if not isinstance(holder, dict):
-            holder = {}
-        if holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
+        holder = {"fields": fields if isinstance(fields, dict) else {}, "identity": identity}
+        if fields == "link":
+            return holder, "it is a symbolic link, not a lock this code writes"
+        if fields is None:
+            return holder, (None if age < STALE_S else f"its content is not a lock this code writes (an unknown "
+                                                        f"holder), untouched for {age:.0f} s")
+        holder = {**fields, **holder}
+        if holder.get("host") == self.me["host"] and not _alive(holder["pid"]):
             return holder, f"its holder, pid {holder['pid']} on this host, is gone"
-        if self.me["job"] and holder.get("job") == self.me["job"] and holder.get("restart", 0) < self.me["restart"]:
+        if self.me["job"] and holder.get("job") == self.me["job"] and (holder.get("restart") or 0) < self.me["restart"]:
             return holder, f"its holder is an earlier run of this job ({self.me['job']}), which Slurm requeued"
         if age > STALE_S:
             return holder, f"its holder has not touched it for {age:.0f} s"
@@ -121,7 +181,9 @@ class DirectoryLock:
 
     def _refusal(self, holder):
         who = "another run"
-        if holder:
+        if holder and not holder.get("fields") and holder.get("identity"):
+            who = "an unknown holder (its content is not a lock this code writes)"
+        if holder and holder.get("fields"):
             job = f", Slurm job {holder['job']}" if holder.get("job") else ""
             who = f"pid {holder.get('pid')} on {holder.get('host')}{job}"
         return (f"--checkpoint-dir {os.path.dirname(self.path)} is in use by {who} (its lock: {self.path}). "
@@ -131,8 +193,8 @@ class DirectoryLock:
 
     def _mine(self):
         try:
-            return self._read() == self.me
-        except (OSError, ValueError):
+            return self._inspect()[0] == self.me
+        except OSError:
             return False
 
     def lost(self):
@@ -160,6 +222,22 @@ class DirectoryLock:
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+def _holder(data):
+    """The fields of a lock this code writes, read from its bytes, or None: not JSON, not a dict, or a field of
+    the wrong type or out of range (a pid beyond PID_MAX would overflow os.kill)."""
+    try:
+        fields = json.loads(data) if len(data) <= LOCK_MAX_BYTES else None
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(fields, dict):
+        return None
+    pid, host, job, restart = (fields.get(k) for k in ("pid", "host", "job", "restart"))
+    ok = (type(pid) is int and 1 <= pid <= PID_MAX and isinstance(host, str) and 0 < len(host) <= 255
+          and (job is None or (isinstance(job, str) and len(job) <= 64))
+          and (restart is None or (type(restart) is int and 0 <= restart < 1 << 31)))
+    return fields if ok else None
 
 
 def _alive(pid):
