@@ -221,8 +221,7 @@ def main(argv=None):
     # Before from_pretrained: transformers reads ZeRO-3's settings from the Accelerator to load partitioned.
     accelerator = Accelerator(  # accelerate
         gradient_accumulation_steps=args.grad_accum,
-        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
-        log_with=run.tracker)
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
     run.setup(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum, max_grad_norm=args.max_grad_norm)
     set_seed(args.seed)
     if error:

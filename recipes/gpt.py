@@ -227,8 +227,7 @@ def main(argv=None):
     run = Run("gpt", args, unit="tokens", may_change=AFTER_TRAINING)  # first: a stop may come during start-up
     accelerator = Accelerator(  # accelerate
         gradient_accumulation_steps=args.grad_accum,
-        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
-        log_with=run.tracker)
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
     run.setup(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum, max_grad_norm=args.max_grad_norm)
     set_seed(args.seed)
     world = accelerator.num_processes

@@ -130,8 +130,7 @@ def main(argv=None):
     run = Run("linear_regression", args, may_change={"plot": "drawn after training",
                                                      "compare_batch_sizes": "drawn after training"})
     accelerator = Accelerator(  # accelerate
-        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
-        log_with=run.tracker)
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
     run.setup(accelerator, batch_size=args.batch_size,  # max_grad_norm 0: the lab is plain SGD, no clipping
               refuse_offload=("this lab is about SGD", "deepspeed_zero3.yaml (or any config without offload)"))
     set_seed(args.seed)

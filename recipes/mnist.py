@@ -152,8 +152,7 @@ def main(argv=None):
         # split_batches: the loader yields GLOBAL batches and each process takes its slice.
         # use_seedable_sampler: the same shuffle on every rank and for every world size.
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
-        log_with=run.tracker)
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))])
     run.setup(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum,
               max_grad_norm=args.max_grad_norm, eval_batch_size=args.eval_batch_size)
     set_seed(args.seed)  # before the loaders: the seedable sampler takes its seed from here

@@ -140,8 +140,7 @@ def main(argv=None):
     run = Run("resnet", args, unit="images",
               may_change={"data_dir": "the data facts guard the content", "num_workers": "only how fast"})
     accelerator = Accelerator(  # accelerate
-        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
-        log_with=run.tracker)
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
     run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm,
               refuse_offload=("ResNet trains with SGD and momentum, and fits on a GPU without offload",
                               "deepspeed_zero2.yaml"))

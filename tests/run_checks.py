@@ -5,6 +5,7 @@ timings aside) and the checks on one run's summary (the engine that really ran, 
 each rank holds, a config refused with one clear line).
 """
 
+import pytest
 import torch
 
 from launching import EXPECTED
@@ -20,12 +21,15 @@ TIMINGS = {"train_time_s", "samples_per_s", "tokens_per_s", "data_ms", "compute_
            "optimizer_ms", "other_ms", "data_fraction", "mfu"}
 
 
-def assert_same_steps(reference_metrics, resumed_metrics, after_step):
+def assert_same_steps(reference_metrics, resumed_metrics, after_step, loss_rel=0.0):
     """The resumed run's metrics.jsonl lines after the resume equal the uninterrupted run's, line for line:
-    every field but the timings (loss, learning rate, epoch, step), exactly."""
+    every field but the timings (loss, learning rate, epoch, step), exactly; the loss within loss_rel if given."""
     expected = [{k: v for k, v in r.items() if k not in TIMINGS} for r in reference_metrics if r["step"] > after_step]
     got = [{k: v for k, v in r.items() if k not in TIMINGS} for r in resumed_metrics if r["step"] > after_step]
-    assert got and got == expected
+    assert got and len(got) == len(expected)
+    if loss_rel:
+        assert [r.pop("loss") for r in got] == pytest.approx([r.pop("loss") for r in expected], rel=loss_rel)
+    assert got == expected
 
 
 def assert_engine(summary, config):

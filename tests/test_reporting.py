@@ -77,7 +77,7 @@ def test_mnist_reports_to_tensorboard_and_profiles_every_rank(launch):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, args, tags, size, colours", [
     # curves.png: figsize (6, 4) with the loss panel only, (11, 4) with an accuracy panel; dpi 100
-    ("linear_regression", ["--epochs", "1", "--num-points", "128"], {"batch_loss", "lr", "m", "n"}, (600, 400),
+    ("linear_regression", ["--epochs", "1", "--num-points", "128"], {"loss", "lr", "m", "n"}, (600, 400),
      [TAB_BLUE]),
     ("gpt", ["--preset", "tiny", "--max-steps", "6", "--batch-size", "8", "--log-every", "1", "--eval-every", "3",
              "--eval-batches", "2", "--sample-tokens", "0"],
@@ -107,13 +107,11 @@ def test_every_training_recipe_reports_and_profiles(recipe, args, tags, size, co
                                 "--report-to", "tensorboard", "--profile", "2"])
     assert code == 0, output[-3000:]
     assert tags <= tensorboard_scalars(out / "tensorboard")
-    loss_key = "batch_loss" if recipe == "linear_regression" else "loss"
-    assert_same_series(out / "tensorboard", out / "metrics.jsonl", loss_key)
+    assert_same_series(out / "tensorboard", out / "metrics.jsonl", "loss")
     assert_drawn_png(out / "curves.png", size, colours)
     assert list(traces(out)) == [0]
     summary = json.loads((out / "summary.json").read_text())
-    if recipe != "linear_regression":  # the SGD lab gathers (m, n) every step: its timing would mean nothing
-        assert summary["timing"]["micro_batches"] > 0 and summary["timing"]["optimizer_ms"] > 0
+    assert summary["timing"]["micro_batches"] > 0 and summary["timing"]["optimizer_ms"] > 0
 
 
 def test_unknown_report_target_is_one_line():

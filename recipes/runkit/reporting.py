@@ -105,13 +105,13 @@ def plot_curves(output_dir, title):
         path = os.path.join(output_dir, name)
         return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     train, evals = read("metrics.jsonl"), read("eval.jsonl")
-    loss_key = next((k for k in ("loss", "batch_loss") if train and k in train[0]), None)
+    losses = [(r["step"], r["loss"]) for r in train if "loss" in r]  # progress lines (every step has m, n too)
     accuracy_keys = [k for k in ("test_accuracy", "val_accuracy") if any(k in e for e in evals)]
     eval_loss_keys = [k for k in ("test_loss", "val_loss") if any(k in e for e in evals + train)]
     fig, axes = plt.subplots(1, 2 if accuracy_keys else 1, figsize=(11 if accuracy_keys else 6, 4), squeeze=False)
     ax = axes[0][0]
-    if loss_key:
-        ax.plot([r["step"] for r in train], [r[loss_key] for r in train], label=f"train {loss_key}")
+    if losses:
+        ax.plot(*zip(*losses), label="train loss")
     for key in eval_loss_keys:
         points = [(r["step"], r[key]) for r in evals + train if key in r]
         ax.plot(*zip(*sorted(points)), "o-", label=key.replace("_", " "))

@@ -7,7 +7,7 @@ eval.jsonl, when to save a checkpoint, the profiler, the stop agreement, the exp
 the exit code. docs/writing-a-recipe.md is the contract; in short:
 
     run = Run("mnist", args)                        # first: stop signals are caught from here on
-    accelerator = Accelerator(..., log_with=run.tracker)
+    accelerator = Accelerator(...)
     run.setup(accelerator, batch_size=..., ...)     # launch and batch checks, the output and checkpoint dirs
     with run.sharded_init():                        # optional: built sharded under ZeRO-3 and FSDP
         model = Net()
@@ -32,6 +32,7 @@ import sys
 import time
 
 import torch
+from accelerate.tracking import filter_trackers
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -116,7 +117,6 @@ class Run:
         die_with_launcher()
         check_gpus_before_start()
         self.stopper, self.stopping = GracefulStop(args.stop_signals), False
-        self.tracker = "tensorboard" if args.report_to == "tensorboard" else None  # Accelerator(log_with=...)
         self.model_init = BUILT_WHOLE
 
     # ---- before prepare() -------------------------------------------------------------------------
@@ -136,6 +136,10 @@ class Run:
         self.engine = engine(accelerator)
         self.output_dir = self.args.output_dir or os.path.join("runs", self.name, run_label(accelerator))
         accelerator.project_configuration.set_directories(self.output_dir)  # the trackers write under it
+        if self.args.report_to == "tensorboard":
+            # What Accelerator(log_with=...) would do, once the output directory is known: it depends on the
+            # engine, and accelerate refuses a tracker without a logging directory at construction.
+            accelerator.log_with = filter_trackers("tensorboard", self.output_dir)
         # The directory's lock first: a second run on it stops in seconds, before it loads data or a model.
         self.lock = lock_directory(accelerator, self.args.checkpoint_dir) if self.args.checkpoint_dir else None
 
