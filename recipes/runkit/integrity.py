@@ -20,6 +20,7 @@ must be stored uncompressed (its memory is bounded by its size); numpy arrays in
 """
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -74,7 +75,7 @@ def open_regular(path, size=None, name=None):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
-        if exc.errno == 40:  # ELOOP: the last component is a symbolic link
+        if exc.errno == errno.ELOOP:  # the last component is a symbolic link
             raise RefusedFile(f"{name} is a symbolic link, not a file a save writes") from None
         if isinstance(exc, FileNotFoundError):
             raise RefusedFile(f"{name} is missing") from None
@@ -137,13 +138,12 @@ def fsync(path):
 
 
 def listing(root):
-    """Every file of a checkpoint, as paths relative to it, but its manifest."""
-    return sorted(os.path.relpath(os.path.join(folder, name), root)
-                  for folder, _, files in os.walk(root) for name in files if name != MANIFEST or folder != root)
+    """Every entry of a checkpoint but its manifest, as paths relative to it (a link is listed, never followed)."""
+    return [rel for rel, _ in entries(root) if rel != MANIFEST]
 
 
 def entries(root):
-    """Every entry under root, as (path relative to it, lstat mode), directories walked but not listed;
+    """Every entry under root, as (path relative to it, its lstat result), directories walked but not listed;
     a link is listed, never followed."""
     found, folders = [], [""]
     while folders:
@@ -151,11 +151,11 @@ def entries(root):
         with os.scandir(os.path.join(root, folder)) as it:
             for entry in it:
                 rel = os.path.join(folder, entry.name)
-                mode = entry.stat(follow_symlinks=False).st_mode
-                if stat.S_ISDIR(mode):
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
                     folders.append(rel)
                 else:
-                    found.append((rel, mode))
+                    found.append((rel, st))
     return sorted(found)
 
 
@@ -215,16 +215,16 @@ def coverage(root, files):
         found = dict(entries(root))
     except OSError as exc:
         return f"it cannot be listed ({exc})"
-    for rel, mode in found.items():
-        if not stat.S_ISREG(mode):
-            return f"{rel} is {_kind(mode)}, not a file a save writes"
+    for rel, st in found.items():
+        if not stat.S_ISREG(st.st_mode):
+            return f"{rel} is {_kind(st.st_mode)}, not a file a save writes"
     extra = sorted(set(found) - set(files) - {MANIFEST})
     if extra:
         return f"{extra[0]} is not listed in its {MANIFEST} (a file this code did not write there)"
     for rel, want in sorted(files.items()):
         if rel not in found:
             return f"{rel} is missing"
-        if os.lstat(os.path.join(root, rel)).st_size != want["size"]:
+        if found[rel].st_size != want["size"]:
             return f"{rel} does not match its recorded size and checksum (truncated or overwritten)"
     return None
 
