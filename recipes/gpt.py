@@ -193,12 +193,12 @@ def load_blocks(args, accelerator, run, block_size):
     return split["train"].with_format("torch"), split["test"].with_format("torch"), source
 
 
-def evaluate(model, loader, accelerator, batches):
-    """Mean loss per sequence over the first `batches` global batches of held-out blocks."""
+def evaluate(model, loader, accelerator):
+    """Mean loss per sequence over the held-out blocks in the loader."""
     model.eval()
     total = count = 0.0
     with torch.no_grad():
-        for blocks in itertools.islice(loader, batches):
+        for blocks in loader:
             ids = blocks["ids"]
             losses = F.cross_entropy(model(ids[:, :-1]).float().transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
             losses = accelerator.gather_for_metrics(losses)  # accelerate: drops the blocks repeated as padding
@@ -236,7 +236,10 @@ def main(argv=None):
     train_set, val_set, source = load_blocks(args, accelerator, run, block_size)
     micro = args.batch_size // args.grad_accum
     train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True)
-    val_loader = DataLoader(val_set, batch_size=micro)  # accelerate fills a short last batch: shapes stay static
+    # Exactly the blocks evaluated, read to the end: a loader left part-read stays accelerate's active one,
+    # and its end-of-data flag would then decide when gradients sync (every micro-batch, with --grad-accum).
+    evaluated = torch.utils.data.Subset(val_set, range(min(len(val_set), args.eval_batches * micro)))
+    val_loader = DataLoader(evaluated, batch_size=micro)  # accelerate fills a short last batch: shapes stay static
     with run.sharded_init():  # ZeRO-3 (zero3_init_flag) and FSDP: never built whole on every process
         model = GPT(layers, heads, d, block_size, args.dropout)
     # Counted from the shapes: under zero.Init the parameters are already partitioned here.
@@ -265,7 +268,7 @@ def main(argv=None):
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
               epochs=math.ceil(total_steps / steps_per_epoch), samples_per_micro=micro * block_size,
               flops_per_unit=flops_per_token, peak_tflops=args.peak_tflops, eval_every=args.eval_every,
-              evaluate=lambda: evaluate(model, val_loader, accelerator, args.eval_batches),
+              evaluate=lambda: evaluate(model, val_loader, accelerator),
               describe=f"preset {args.preset}: {n_params / 1e6:.2f} M parameters, model states about {state_gb:.2f} GB "
                        f"per process | text: {source}, {len(train_set)} blocks of {block_size}",
               data_facts={"source": source, "train_blocks": len(train_set)})
