@@ -44,7 +44,7 @@ IGNORE = -100  # label of a position that is not in the loss (cross_entropy's ig
 
 # Flags a resumed run may change: they act after training or only on what is reported.
 AFTER_TRAINING = {"sample_tokens": "the answer at the end", "save_dtype": "the exported model",
-                  "peak_tflops": "MFU's denominator"}
+                  "merge_lora": "the exported model", "peak_tflops": "MFU's denominator"}
 
 
 def parse_args(argv=None):
@@ -69,6 +69,15 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (0: no clipping)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
+    p.add_argument("--lora-r", type=int, default=0,
+                   help="LoRA rank: train low-rank adapters on a frozen base model (0: a full fine-tune)")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA: the adapters' output is scaled by alpha/r")
+    p.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA: dropout on the adapters' input")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="LoRA: comma-separated names of the linear layers to adapt (all-linear: every linear "
+                        "layer of the decoder blocks)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="LoRA: also export the base model with the adapters merged in, to OUTPUT_DIR/model")
     p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=10, help="global batches of held-out data per evaluation")
     p.add_argument("--peak-tflops", type=float, default=0.0,
@@ -160,23 +169,75 @@ def load_examples(args, run, accelerator, tokenizer, block_size):
     return split["train"].with_format("torch"), split["test"].with_format("torch"), fmt, source
 
 
-def lm_loss(logits, labels):
-    """Mean next-token loss over the positions whose label is not IGNORE (fp32, as Hugging Face computes it)."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE)
+def token_losses(logits, labels):
+    """Each sequence's summed next-token loss over the positions whose label is not IGNORE, and how many
+    such positions it has (fp32, as Hugging Face computes it)."""
+    losses = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], ignore_index=IGNORE,
+                             reduction="none")
+    return losses.sum(dim=1), (labels[:, 1:] != IGNORE).sum(dim=1)
 
 
-def evaluate(model, loader, accelerator, batches):
-    """Mean loss per sequence over the first `batches` global batches of held-out examples."""
+def with_step_tokens(batches, accelerator, grad_accum):
+    """Each micro-batch with the number of loss tokens in its whole optimizer step: every micro-batch of the
+    step on every rank. One small all-reduce per step, left on the device (no wait for the GPU)."""
+    batches = iter(batches)
+    while step := list(itertools.islice(batches, grad_accum)):
+        tokens = sum((batch["labels"][:, 1:] != IGNORE).sum() for batch in step)
+        tokens = accelerator.reduce(tokens, "sum").clamp(min=1)  # accelerate
+        for batch in step:
+            yield batch, tokens
+
+
+def evaluate(model, loader, accelerator):
+    """Mean next-token loss per loss token over the held-out examples in the loader: the training loss's
+    definition."""
     model.eval()
-    total = count = 0.0
+    total = count = 0
     with torch.no_grad():
-        for batch in itertools.islice(loader, batches):
-            logits = model(input_ids=batch["input_ids"]).logits
-            losses = torch.stack([lm_loss(lg[None], lb[None]) for lg, lb in zip(logits, batch["labels"])])
-            losses = accelerator.gather_for_metrics(losses)  # accelerate: drops the examples repeated as padding
-            total, count = total + losses.sum().item(), count + losses.numel()
+        for batch in loader:
+            losses, tokens = token_losses(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+            # accelerate: drops the examples repeated to fill the last batch
+            losses, tokens = accelerator.gather_for_metrics((losses, tokens))
+            total, count = total + losses.sum(), count + tokens.sum()
     model.train()
-    return {"val_loss": total / max(count, 1)}
+    return {"val_loss": float(total / max(count, 1))}
+
+
+def with_lora(model, args, run):
+    """The model wrapped by PEFT: every base parameter frozen in the dtype it was loaded in, LoRA adapters on
+    the --lora-targets linear layers, trainable and kept in fp32 by PEFT (autocast_adapter_dtype)."""
+    from peft import LoraConfig, get_peft_model
+    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules=targets, task_type="CAUSAL_LM")
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, torch.nn.Linear)} - {"lm_head"})
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as exc:
+        run.fail(f"--lora-targets {args.lora_targets!r}: {str(exc).splitlines()[0]}. This model's linear layers "
+                 f"are {','.join(linear)}")
+    adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
+    if other := [name for name in adapted if not isinstance(model.get_submodule(name).base_layer, torch.nn.Linear)]:
+        run.fail(f"--lora-targets adapts {other[0]}, which is not a linear layer; name linear layers only, "
+                 f"from {','.join(linear)}")
+    return model
+
+
+def merged(weights, peft_model):
+    """The base model's weights with each adapter folded in, W + alpha/r * B @ A, under the base's own names."""
+    scaling = {name: module.scaling["default"] for name, module in peft_model.named_modules()
+               if hasattr(module, "lora_A")}
+    base = {}
+    for key, value in weights.items():
+        if ".lora_" in key:
+            continue
+        module = key.removesuffix(".base_layer.weight")
+        if module in scaling:
+            a, b = weights[f"{module}.lora_A.default.weight"], weights[f"{module}.lora_B.default.weight"]
+            value = value + scaling[module] * (b @ a)
+        base[key.removeprefix("base_model.model.").replace(".base_layer.", ".")] = value
+    return base
 
 
 def greedy(model, accelerator, ids, tokens, eos):
@@ -231,22 +292,34 @@ def main(argv=None):
     refuse_whole_copies(run, accelerator, n_params)
     from transformers import AutoModelForCausalLM
     train_set, val_set, fmt, source = load_examples(args, run, accelerator, tokenizer, args.block_size)
+    # A full fine-tune keeps fp32 master weights; LoRA's frozen base needs none, so it loads in the compute dtype.
+    dtype = torch.float32
+    if args.lora_r:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     try:
         with run.sharded_init(from_pretrained=True):  # ZeRO-3: partitioned while loaded; FSDP2: main's copy sharded
-            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     except (OSError, ValueError) as exc:
         run.fail(f"cannot load the weights of {args.model!r}: {str(exc).splitlines()[0]}")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # no generation cache while training
+    if args.lora_r:
+        model = with_lora(model, args, run)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     micro = args.batch_size // args.grad_accum
     train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True)
-    val_loader = DataLoader(val_set, batch_size=micro)  # accelerate fills a short last batch: shapes stay static
-    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in model.parameters()]  # ZeRO-3: the full shape
-    decay, flat = ([p for p, m in zip(model.parameters(), matrix) if m == want] for want in (True, False))
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": flat, "weight_decay": 0.0}],  # no decay on biases and norms
-                                  lr=args.lr, betas=(0.9, 0.95), fused=True)
+    # Exactly the examples evaluated, read to the end: a loader left part-read stays accelerate's active one,
+    # and its end-of-data flag would then decide when gradients sync (every micro-batch, with --grad-accum).
+    evaluated = val_set.select(range(min(len(val_set), args.eval_batches * micro)))
+    val_loader = DataLoader(evaluated, batch_size=micro)  # accelerate fills a short last batch: shapes stay static
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]  # ZeRO-3: the full shape
+    decay, flat = ([p for p, m in zip(trainable, matrix) if m == want] for want in (True, False))
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": flat, "weight_decay": 0.0}]  # no decay on biases and norms
+    # No empty group (LoRA's adapters are all matrices): DeepSpeed drops it, and the scheduler would then
+    # hold one learning rate too many.
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), fused=True)
     steps_per_epoch = len(train_loader) // args.grad_accum
     if steps_per_epoch == 0:
         run.fail(f"{len(train_set)} training examples do not fill one global batch of {args.batch_size}")
@@ -267,16 +340,21 @@ def main(argv=None):
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=args.max_steps,
               epochs=math.ceil(args.max_steps / steps_per_epoch), samples_per_micro=micro * args.block_size,
               flops_per_unit=flops_per_token, peak_tflops=args.peak_tflops, eval_every=args.eval_every,
-              evaluate=lambda: evaluate(model, val_loader, accelerator, args.eval_batches),
+              evaluate=lambda: evaluate(model, val_loader, accelerator),
               describe=f"{args.model}: {n_params / 1e6:.3g} M parameters | {fmt}: {source}, {len(train_set)} "
                        f"examples of {args.block_size} tokens, {100 * loss_share:.0f}% of positions in the loss",
               data_facts={"source": source, "data_format": fmt, "train_examples": len(train_set)})
 
+    # The loss is the mean over every loss token of the optimizer step, whatever the micro-batch and the rank:
+    # each micro-batch's summed loss over the step's token count, times what backward() then divides by
+    # (the micro-batches per step, and the processes whose gradients are averaged).
+    undo_means = accelerator.num_processes * args.grad_accum
     for batches in run.epochs(train_loader):  # resumes mid-epoch; checkpoints at each epoch's end
-        for batch in batches:
+        for batch, step_tokens in with_step_tokens(batches, accelerator, args.grad_accum):
             with accelerator.accumulate(model):  # accelerate
                 # No attention mask: padding comes after the last real token and attention is causal.
-                loss = lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+                losses, _ = token_losses(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+                loss = losses.sum() * undo_means / step_tokens
                 accelerator.backward(loss)  # accelerate
                 if accelerator.sync_gradients and args.max_grad_norm > 0:  # accelerate
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # accelerate
@@ -295,19 +373,27 @@ def main(argv=None):
         sample = {"sample_prompt": tokenizer.decode(prompt), "sample_prompt_ids": prompt.tolist(),
                   "sample": tokenizer.decode(new), "sample_token_ids": new, "sample_logprobs": logprobs}
         run.print(f"greedy answer to {sample['sample_prompt']!r}: {sample['sample']!r}")
-    model_dir = os.path.join(run.output_dir, "model")
+    model_dir, adapter_dir = (os.path.join(run.output_dir, name) for name in ("model", "adapter"))
 
-    def export(weights):  # main process: a directory from_pretrained loads, with the tokenizer
+    def export(weights):  # main process: directories from_pretrained (and PEFT) load, with the tokenizer
         plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
+        if args.lora_r:  # PEFT's own format, in fp32; PEFT picks the adapters' tensors out of the whole model's
+            plain.save_pretrained(adapter_dir, state_dict=weights)
+            tokenizer.save_pretrained(adapter_dir)
+            if not args.merge_lora:
+                return adapter_dir
+            weights, plain = merged(weights, plain), plain.get_base_model()
         dtype = getattr(torch, args.save_dtype)
-        plain.config.use_cache = True  # a config for generating, in the saved dtype
-        plain.config.dtype = dtype
+        plain.config.use_cache = True  # a config for generating
         plain.save_pretrained(model_dir, state_dict={k: v.to(dtype) for k, v in weights.items()})
+        plain.config.dtype = dtype  # save_pretrained wrote the dtype of the model in memory, not of the file
+        plain.config.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-        return model_dir
+        return f"{adapter_dir}, {model_dir}" if args.lora_r else model_dir
+    lora = {"lora_r": args.lora_r, "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in trainable)}
     return run.finish(model, export=export, exported_dtype=args.save_dtype, base_model=args.model, data_format=fmt,
                       data_source=source, train_examples=len(train_set), loss_positions_share=loss_share,
-                      block_size=args.block_size, gradient_checkpointing=args.gradient_checkpointing, **sample)
+                      block_size=args.block_size, gradient_checkpointing=args.gradient_checkpointing, **lora, **sample)
 
 
 if __name__ == "__main__":

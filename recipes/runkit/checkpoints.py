@@ -110,6 +110,26 @@ class Checkpointer:
         self.reported = set()  # step-* entries rotation left alone, each reported once
         self.times = {"saves": 0, "save_write_s": 0.0, "save_checksum_s": 0.0, "resume_verify_s": None,
                       "resume_load_s": None}
+        self.save_kwargs, self.load_kwargs = self._leave_out_frozen(model)
+
+    def _leave_out_frozen(self, model):
+        """(save_state, load_state) keyword arguments. Frozen parameters (LoRA's base model) are loaded again
+        from the model the run starts from, which must_match pins, so checkpoints leave them out where the
+        engine allows: DeepSpeed's module files, and the model file without DeepSpeed or FSDP. FSDP's sharded
+        save takes the whole state dict (accelerate has no filter for it), each rank writing its shard."""
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        engine = self.accelerator.distributed_type
+        if not frozen or engine == DistributedType.FSDP:
+            return {}, {}
+        if engine == DistributedType.DEEPSPEED:
+            return {"exclude_frozen_parameters": True}, {"load_module_strict": False}
+
+        def trainable_only(models, weights, output_dir):  # accelerate calls it with each model's state dict
+            for state in weights:
+                for name in frozen & state.keys():
+                    del state[name]
+        self.accelerator.register_save_state_pre_hook(trainable_only)
+        return {}, {"strict": False}
 
     def _complete(self):
         names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
@@ -139,7 +159,7 @@ class Checkpointer:
                         f"are untouched"
         agree(self.accelerator, (None, error))
         try:
-            acc.save_state(tmp)
+            acc.save_state(tmp, **self.save_kwargs)
             self._save_rank_buffers(tmp)
             open(os.path.join(tmp, f"rank-{acc.process_index}.done"), "w").close()
         except (OSError, RuntimeError, CheckpointException) as exc:  # a full disk (torch.save: RuntimeError),
@@ -294,7 +314,7 @@ class Checkpointer:
         started = time.perf_counter()
         try:
             with weights_only_loading():  # again while loading: a file swapped since the check runs no code either
-                acc.load_state(path)
+                acc.load_state(path, **self.load_kwargs)
             self._load_rank_buffers(path)
         except (UnsafeCheckpointFile, CheckpointException) as exc:  # its exit makes the launcher stop the others
             print(f"error: checkpoint {path} cannot be loaded: {(str(exc).splitlines() or [''])[0][:300]}. Remove "
