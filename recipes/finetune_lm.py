@@ -29,6 +29,7 @@ import glob
 import itertools
 import math
 import os
+import re
 import sys
 
 import torch
@@ -55,12 +56,17 @@ def parse_args(argv=None):
     p.add_argument("--data-files", default=None, help="local .txt or .jsonl/.json files or globs, comma-separated")
     p.add_argument("--dataset", default=None, help="a Hugging Face hub dataset (needs internet)")
     p.add_argument("--dataset-config", default=None, help="its configuration name")
-    p.add_argument("--format", choices=("auto", "pairs", "text"), default="auto",
-                   help="pairs: prompt/response records; text: packed plain text; auto: pairs for JSON, else text")
+    p.add_argument("--format", choices=("auto", "chat", "pairs", "text"), default="auto",
+                   help="chat: conversations in the tokenizer's chat template, the assistant turns learned; pairs: "
+                        "prompt/response records; text: packed plain text; auto: chat when the records have "
+                        "--messages-column, pairs when they have the prompt and response columns, else text")
+    p.add_argument("--messages-column", default="messages",
+                   help="chat: the column with each conversation, a list of {role, content} turns")
     p.add_argument("--prompt-column", default="prompt", help="pairs: the column with the prompt")
     p.add_argument("--response-column", default="response", help="pairs: the column with the response to learn")
     p.add_argument("--text-column", default="text", help="text: the column with the text")
-    p.add_argument("--block-size", type=int, default=1024, help="tokens per sequence (at most the model's context)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per sequence, at most the model's context (default: 1024, or the context if shorter)")
     p.add_argument("--max-steps", type=int, default=1000, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch in sequences, split across processes")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -100,6 +106,127 @@ def encode_pair(prompt, response, eos, pad_id, block_size):
     return ids + [pad_id] * pad, labels + [IGNORE] * pad
 
 
+def encode_chat(ids, learned, pad_id, block_size):
+    """(input_ids, labels) of a rendered conversation, block_size long: learned[i] says whether position i is in
+    the loss (an assistant turn's token, or the end of its turn); labels by position, as encode_pair's."""
+    labels = [t if keep else IGNORE for t, keep in zip(ids, learned)][:block_size]
+    pad = block_size - len(labels)
+    return ids[:block_size] + [pad_id] * pad, labels + [IGNORE] * pad
+
+
+class DataProblem(ValueError):
+    """A record the chosen format cannot use: reported as one message, never as a tokenizer's traceback."""
+
+
+def assistant_positions(tokenizer, messages):
+    """(ids, learned) of a conversation in the tokenizer's chat template; learned marks the assistant turns and
+    their end-of-turn tokens. The template's {% generation %} markers say where they are when it has them;
+    otherwise each assistant turn is what it adds to the conversation before it rendered with the generation
+    prompt (character spans, so a token merged across a boundary cannot shift the labels)."""
+    if re.search(r"\{%-?\s*generation\s*-?%\}", tokenizer.get_chat_template()):
+        rendered = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+        return rendered["input_ids"], [bool(m) for m in rendered["assistant_masks"]]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not (through.startswith(before) and text.startswith(through)):  # a template that rewrites history
+            raise DataProblem("the chat template renders a conversation's start differently once it goes on, so "
+                              "its assistant turns cannot be found; add {% generation %} ... {% endgeneration %} "
+                              "around the assistant content and its end-of-turn token in the template")
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return encoded["input_ids"], [any(a <= start < b for a, b in spans) for start, _ in encoded["offset_mapping"]]
+
+
+def is_conversation(value):
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def value_problem(column, value, conversation):
+    """Why a record's `column` value cannot be used (a conversation when `conversation`, else text), or None."""
+    if conversation:
+        if is_conversation(value):
+            return None
+        if isinstance(value, str):
+            return (f"the column {column!r} holds text, not conversations (lists of {{role, content}} turns): "
+                    f"use --format text --text-column {column}, or --format pairs")
+        return f"the column {column!r} holds {value!r:.60}, not a list of {{role, content}} turns with text content"
+    if isinstance(value, str):
+        return None
+    if value and is_conversation(value):
+        return (f"the column {column!r} holds conversations (lists of {{role, content}} turns), not text: use "
+                f"--format chat --messages-column {column}")
+    return f"the column {column!r} holds {value!r:.60}, not text: name a column of strings"
+
+
+def choose_format(args, records, columns):
+    """--format, or for auto the format the columns say: records (JSON, or a hub dataset) or plain text files."""
+    if args.format != "auto":
+        return args.format
+    if not records:
+        return "text"
+    if args.messages_column in columns:
+        return "chat"
+    if args.prompt_column in columns and args.response_column in columns:
+        return "pairs"
+    return "text" if args.text_column in columns else "pairs"  # pairs' missing-column message names every format
+
+
+def tokenise(fmt, args, tokenizer, block_size):
+    """The batched map from records to input_ids and labels (block_size long), in_loss (positions in the loss
+    after the first) and cut (the end of the last response lost to block_size)."""
+    eos = tokenizer.eos_token_id
+    pad_id = eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+    def checked(batch, column, conversation=False):
+        for value in batch[column]:
+            if problem := value_problem(column, value, conversation):
+                raise DataProblem(problem)
+        return batch[column]
+
+    def examples(encoded, cut):
+        return {"input_ids": [x for x, _ in encoded], "labels": [y for _, y in encoded],
+                "in_loss": [sum(t != IGNORE for t in y[1:]) for _, y in encoded], "cut": cut}
+
+    def pairs(batch):
+        prompts = tokenizer(checked(batch, args.prompt_column))["input_ids"]
+        responses = tokenizer(checked(batch, args.response_column), add_special_tokens=False)["input_ids"]
+        return examples([encode_pair(p, r, eos, pad_id, block_size) for p, r in zip(prompts, responses)],
+                        [len(p) + len(r) + 1 > block_size for p, r in zip(prompts, responses)])
+
+    def chat(batch):
+        rendered = [assistant_positions(tokenizer, m) for m in checked(batch, args.messages_column, True)]
+        return examples([encode_chat(ids, learned, pad_id, block_size) for ids, learned in rendered],
+                        [any(learned[block_size:]) for _, learned in rendered])
+
+    def packed(batch):  # documents joined by end-of-sequence tokens, cut into whole blocks
+        stream = [t for ids in tokenizer(checked(batch, args.text_column))["input_ids"] for t in ids + [eos]]
+        blocks = [stream[i:i + block_size] for i in range(0, len(stream) // block_size * block_size, block_size)]
+        return {"input_ids": blocks, "labels": blocks, "in_loss": [block_size - 1] * len(blocks),
+                "cut": [False] * len(blocks)}
+    return {"pairs": pairs, "chat": chat, "text": packed}[fmt]
+
+
+NO_CHAT_TEMPLATE = ("--format chat renders conversations with the tokenizer's chat template, and {model}'s tokenizer "
+                    "has none: give a model whose tokenizer has one (an instruct or chat model), or set one in its "
+                    "directory (chat_template.jinja, or chat_template in tokenizer_config.json)")
+
+
+def cut_note(cuts, fmt, block_size):
+    """The start line's words on the examples --block-size cut: nothing is cut silently."""
+    if fmt == "text":
+        return ""
+    n, dropped = cuts["cut_examples"], cuts["dropped_examples"]
+    said = (f"{n} of {cuts['tokenised_examples']} examples cut at --block-size {block_size} (their last response's end "
+            f"lost)" if n else f"none of {cuts['tokenised_examples']} examples cut at --block-size {block_size}")
+    return f"; {said}" + (f", {dropped} dropped with nothing to learn left" if dropped else "")
+
+
 def model_shape(name):
     """(config, parameter count, tokenizer, error), before any weight is read. Called before the Accelerator
     exists: under ZeRO-3 transformers would partition even a model on the meta device."""
@@ -118,55 +245,53 @@ def model_shape(name):
 
 
 def load_examples(args, run, accelerator, tokenizer, block_size):
-    """(train, validation, format, source): tokenised examples of input_ids and labels, block_size long."""
+    """(train, validation, format, source, cuts): tokenised examples of input_ids and labels, block_size long;
+    cuts counts the examples, those whose response block_size cut, and those dropped with nothing in the loss."""
     from datasets import load_dataset
     if args.dataset:
         source, load = args.dataset, lambda: load_dataset(args.dataset, args.dataset_config, split="train")  # noqa: E731
-        json_files = args.format != "text"
+        records = True  # a hub dataset has columns
     else:
         files = sorted(f for pattern in (args.data_files or "").split(",") if pattern
                        for f in glob.glob(os.path.expanduser(pattern)))
         if not files:
             run.fail(f"--data-files {args.data_files!r} matches no file; give .txt or .jsonl paths or globs")
-        source, json_files = args.data_files, all(f.endswith((".json", ".jsonl")) for f in files)
-        load = lambda: load_dataset("json" if json_files else "text", data_files=files, split="train")  # noqa: E731
-    fmt = args.format if args.format != "auto" else ("pairs" if json_files else "text")
-    eos = tokenizer.eos_token_id
-    pad_id = eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-
-    def pairs(batch):
-        encoded = [encode_pair(prompt, response, eos, pad_id, block_size) for prompt, response in zip(
-            tokenizer(batch[args.prompt_column])["input_ids"],
-            tokenizer(batch[args.response_column], add_special_tokens=False)["input_ids"])]
-        return {"input_ids": [x for x, _ in encoded], "labels": [y for _, y in encoded],
-                "in_loss": [sum(t != IGNORE for t in y[1:]) for _, y in encoded]}
-
-    def packed(batch):  # documents joined by end-of-sequence tokens, cut into whole blocks
-        stream = [t for ids in tokenizer(batch[args.text_column])["input_ids"] for t in ids + [eos]]
-        blocks = [stream[i:i + block_size] for i in range(0, len(stream) // block_size * block_size, block_size)]
-        return {"input_ids": blocks, "labels": blocks, "in_loss": [block_size - 1] * len(blocks)}
-
-    problem, split = None, None
+        source, records = args.data_files, all(f.endswith((".json", ".jsonl")) for f in files)
+        load = lambda: load_dataset("json" if records else "text", data_files=files, split="train")  # noqa: E731
+    problem, split, fmt, cuts = None, None, args.format, {}
     with accelerator.main_process_first():  # the main process tokenises and caches; the others reuse its cache
         try:  # a problem is reported after the block, by every rank: a rank leaving inside it strands the others
             raw = load()
-            needed = [args.prompt_column, args.response_column] if fmt == "pairs" else [args.text_column]
+            fmt = choose_format(args, records, raw.column_names)
+            needed = {"pairs": [args.prompt_column, args.response_column], "chat": [args.messages_column],
+                      "text": [args.text_column]}[fmt]
             if missing := [c for c in needed if c not in raw.column_names]:
-                fix = ("--prompt-column and --response-column, or use --format text" if fmt == "pairs"
-                       else "--text-column")
+                fix = {"pairs": "--prompt-column and --response-column, or give conversations with --format chat "
+                                "--messages-column NAME, or text with --format text --text-column NAME",
+                       "chat": "--messages-column (a column of {role, content} turns), or use --format pairs or text",
+                       "text": "--text-column (a column of strings), or use --format pairs or chat"}[fmt]
                 problem = f"{source!r} has the columns {raw.column_names}, not {missing}: name them with {fix}"
+            elif fmt == "chat" and tokenizer.chat_template is None:
+                problem = NO_CHAT_TEMPLATE.format(model=args.model)
         except Exception as exc:
             problem = f"could not load {source!r} ({type(exc).__name__}: {exc}). Offline, use --data-files"
         if not problem:
-            data = raw.map(pairs if fmt == "pairs" else packed, batched=True, remove_columns=raw.column_names,
-                           desc="tokenising").filter(lambda e: e["in_loss"] > 0, desc="dropping cut-off responses")
+            try:
+                data = raw.map(tokenise(fmt, args, tokenizer, block_size), batched=True,
+                               remove_columns=raw.column_names, desc="tokenising")
+            except DataProblem as exc:
+                problem = f"{source!r} cannot be read as --format {fmt}: {exc}"
+        if not problem:
+            cuts = {"tokenised_examples": len(data), "cut_examples": sum(data["cut"]),
+                    "dropped_examples": sum(n == 0 for n in data["in_loss"])}
+            data = data.filter(lambda e: e["in_loss"] > 0, desc="dropping examples with nothing to learn")
             if len(data) >= 20:
                 split = data.train_test_split(test_size=0.05, seed=args.seed)  # cached too: the same on every rank
             else:
                 problem = f"{source!r} gives only {len(data)} examples of at most {block_size} tokens; give more data"
     if problem:
         run.fail(problem)
-    return split["train"].with_format("torch"), split["test"].with_format("torch"), fmt, source
+    return split["train"].with_format("torch"), split["test"].with_format("torch"), fmt, source, cuts
 
 
 def token_losses(logits, labels):
@@ -287,11 +412,14 @@ def main(argv=None):
     set_seed(args.seed)
     if error:
         run.fail(error)
-    if args.block_size > (context := getattr(config, "max_position_embeddings", None) or args.block_size):
+    context = getattr(config, "max_position_embeddings", None)
+    if args.block_size is None:  # the default fits the model
+        args.block_size = min(1024, context or 1024)
+    if context and args.block_size > context:
         run.fail(f"--block-size {args.block_size} is longer than {args.model}'s context of {context} tokens; give less")
     refuse_whole_copies(run, accelerator, n_params)
     from transformers import AutoModelForCausalLM
-    train_set, val_set, fmt, source = load_examples(args, run, accelerator, tokenizer, args.block_size)
+    train_set, val_set, fmt, source, cuts = load_examples(args, run, accelerator, tokenizer, args.block_size)
     # A full fine-tune keeps fp32 master weights; LoRA's frozen base needs none, so it loads in the compute dtype.
     dtype = torch.float32
     if args.lora_r:
@@ -342,7 +470,8 @@ def main(argv=None):
               flops_per_unit=flops_per_token, peak_tflops=args.peak_tflops, eval_every=args.eval_every,
               evaluate=lambda: evaluate(model, val_loader, accelerator),
               describe=f"{args.model}: {n_params / 1e6:.3g} M parameters | {fmt}: {source}, {len(train_set)} "
-                       f"examples of {args.block_size} tokens, {100 * loss_share:.0f}% of positions in the loss",
+                       f"examples of {args.block_size} tokens, {100 * loss_share:.0f}% of positions in the loss"
+                       f"{cut_note(cuts, fmt, args.block_size)}",
               data_facts={"source": source, "data_format": fmt, "train_examples": len(train_set)})
 
     # The loss is the mean over every loss token of the optimizer step, whatever the micro-batch and the rank:
@@ -366,7 +495,7 @@ def main(argv=None):
     sample = {}
     if args.sample_tokens and not run.stopping:
         first = val_set[0]  # its prompt, or the start of its text
-        prompt_length = int((first["labels"] != IGNORE).nonzero()[0]) if fmt == "pairs" else args.block_size // 4
+        prompt_length = int((first["labels"] != IGNORE).nonzero()[0]) if fmt != "text" else args.block_size // 4
         prompt = first["input_ids"][:prompt_length]
         plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
         new, logprobs = greedy(plain, accelerator, prompt, args.sample_tokens, tokenizer.eos_token_id)
@@ -393,7 +522,8 @@ def main(argv=None):
     lora = {"lora_r": args.lora_r, "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in trainable)}
     return run.finish(model, export=export, exported_dtype=args.save_dtype, base_model=args.model, data_format=fmt,
                       data_source=source, train_examples=len(train_set), loss_positions_share=loss_share,
-                      block_size=args.block_size, gradient_checkpointing=args.gradient_checkpointing, **lora, **sample)
+                      block_size=args.block_size, gradient_checkpointing=args.gradient_checkpointing, **lora, **sample,
+                      **cuts)
 
 
 if __name__ == "__main__":
