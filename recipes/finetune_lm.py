@@ -439,7 +439,7 @@ def main(argv=None):
     train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True)
     # Exactly the examples evaluated, read to the end: a loader left part-read stays accelerate's active one,
     # and its end-of-data flag would then decide when gradients sync (every micro-batch, with --grad-accum).
-    evaluated = val_set.select(range(min(len(val_set), args.eval_batches * micro)))
+    evaluated = val_set.select(range(min(len(val_set), args.eval_batches * args.batch_size)))
     val_loader = DataLoader(evaluated, batch_size=micro)  # accelerate fills a short last batch: shapes stay static
     matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]  # ZeRO-3: the full shape
     decay, flat = ([p for p, m in zip(trainable, matrix) if m == want] for want in (True, False))

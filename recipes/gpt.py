@@ -238,7 +238,7 @@ def main(argv=None):
     train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True)
     # Exactly the blocks evaluated, read to the end: a loader left part-read stays accelerate's active one,
     # and its end-of-data flag would then decide when gradients sync (every micro-batch, with --grad-accum).
-    evaluated = torch.utils.data.Subset(val_set, range(min(len(val_set), args.eval_batches * micro)))
+    evaluated = torch.utils.data.Subset(val_set, range(min(len(val_set), args.eval_batches * args.batch_size)))
     val_loader = DataLoader(evaluated, batch_size=micro)  # accelerate fills a short last batch: shapes stay static
     with run.sharded_init():  # ZeRO-3 (zero3_init_flag) and FSDP: never built whole on every process
         model = GPT(layers, heads, d, block_size, args.dropout)

@@ -81,10 +81,11 @@ def reference(launch, tmp_path_factory):
 def start(data_dir, tmp_path):
     runs = []
 
-    def _start(config, *recipe_args, env=None, name="run", recipe="recipes/mnist.py"):
+    def _start(config, *recipe_args, env=None, name="run", recipe="recipes/mnist.py", launch_args=FP32):
         out_dir = tmp_path / name
         out_dir.mkdir()
-        cmd, route_env = launch_command(config, data_dir, out_dir, *recipe_args, launch_args=FP32, recipe=recipe)
+        cmd, route_env = launch_command(config, data_dir, out_dir, *recipe_args, launch_args=launch_args,
+                                        recipe=recipe)
         run = Background(cmd, {**route_env, **(env or {})}, out_dir / "launch.log", os.path.basename(recipe))
         runs.append(run)
         return run

@@ -2,7 +2,10 @@
 Hugging Face's formats, launched for real under every config (2 CPU processes).
 
 One launch per config serves every assertion about it: the engine, the step-by-step match with one
-process, and the exported model directory loaded back with from_pretrained.
+process, and the exported model directory loaded back with from_pretrained. The data is uneven.jsonl,
+whose responses run from 1 to 30 words, so a loss that were not weighted by tokens over the whole
+optimizer step would differ between 1 and 2 processes. The LoRA runs serve the adapter checks and,
+through their checkpoints, the resume tests.
 """
 
 import json
@@ -18,9 +21,11 @@ import torch.nn.functional as F
 
 from launching import CONFIG_FILES, OFFLOAD, REPO, Run, frozen, rank_of, run_command, thawed
 from run_checks import assert_engine, assert_refused, assert_shards_held
-from tiny_hf import corpus, write_all
+from tiny_hf import corpus, uneven_pairs, write_all
 
 STEPS, BATCH, BLOCK = 8, 16, 32
+LORA = ("--lora-r", "4", "--merge-lora")
+LORA_PRECISION = {"2gpu.yaml": "no", "fsdp.yaml": "bf16", "deepspeed_zero3.yaml": "no"}  # FSDP2: a bf16 frozen base
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +48,7 @@ def hf(tmp_path_factory):
     return root
 
 
-def training(hf, model="model", data="pairs.jsonl"):
+def training(hf, model="model", data="uneven.jsonl"):
     return ["--model", str(hf / model), "--data-files", str(hf / data), "--block-size", str(BLOCK), "--max-steps",
             str(STEPS), "--batch-size", str(BATCH), "--lr", "3e-3", "--warmup-steps", "2", "--log-every", "1",
             "--eval-every", "4", "--eval-batches", "2", "--sample-tokens", "6", "--save-dtype", "float32",
@@ -53,22 +58,36 @@ def training(hf, model="model", data="pairs.jsonl"):
 @pytest.fixture(scope="session")
 def finetune(launch, hf):
     """finetune(config, *extra, model=..., data=...) -> Run, fp32, one launch per distinct argument list."""
-    def _finetune(config, *extra, model="model", data="pairs.jsonl", check=True,
+    def _finetune(config, *extra, model="model", data="uneven.jsonl", check=True,
                   launch_args=("--mixed_precision", "no")):
         return launch(config, *training(hf, model, data), *extra, launch_args=launch_args,
                       recipe="recipes/finetune_lm.py", check=check)
     return _finetune
 
 
-def reloaded_logprobs(model_dir, prompt_ids, new_ids):
-    """The log-probabilities that the model loaded back with from_pretrained gives the run's greedy answer,
-    and its own greedy choices at each position."""
+@pytest.fixture(scope="session")
+def lora(finetune, hf):
+    """lora(config, checkpoint_dir=None) -> Run: a LoRA fine-tune with the merged export too, checkpointing every 3
+    steps (keeping all) into a directory of the session's, or the one given."""
+    def _lora(config, checkpoint_dir=None):
+        ckpt = checkpoint_dir or hf / f"ckpt-lora-{config}"
+        return finetune(config, *LORA, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--keep-last", "0",
+                        launch_args=("--mixed_precision", LORA_PRECISION[config]))
+    return _lora
+
+
+def sample_logprobs(model, summary, bf16=False):
+    """The log-probabilities `model` gives the run's greedy answer, and its own greedy choices at each position."""
+    prompt, new = summary["sample_prompt_ids"], summary["sample_token_ids"]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=torch.tensor([prompt + new])).logits
+    logp = F.log_softmax(logits[0].float(), dim=-1)[len(prompt) - 1:-1]
+    return [logp[i, t].item() for i, t in enumerate(new)], logp.argmax(-1).tolist()
+
+
+def reloaded_logprobs(model_dir, summary):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ids = torch.tensor([prompt_ids + new_ids])
-    with torch.no_grad():
-        logp = F.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)[len(prompt_ids) - 1:-1]
-    return [logp[i, t].item() for i, t in enumerate(new_ids)], logp.argmax(-1).tolist()
+    return sample_logprobs(AutoModelForCausalLM.from_pretrained(model_dir), summary)
 
 
 @pytest.mark.slow
@@ -95,9 +114,10 @@ def test_finetune_under_every_config(finetune, config):
     from transformers import AutoTokenizer
     model_dir = run.out_dir / "model"
     assert AutoTokenizer.from_pretrained(model_dir).decode(s["sample_prompt_ids"]) == s["sample_prompt"]
-    logprobs, choices = reloaded_logprobs(model_dir, s["sample_prompt_ids"], s["sample_token_ids"])
+    logprobs, choices = reloaded_logprobs(model_dir, s)
     assert choices == s["sample_token_ids"] and len(choices) >= 1
     assert logprobs == pytest.approx(s["sample_logprobs"], abs=1e-5)
+    assert json.loads((model_dir / "config.json").read_text())["dtype"] == "float32"
     if config == "cpu.yaml":
         return
     one = finetune("cpu.yaml")  # the reference: DDP, ZeRO and FSDP follow it step by step
@@ -128,11 +148,14 @@ def test_pad_token_never_reaches_the_loss(finetune, hf):
     a, b = finetune("cpu.yaml"), finetune("cpu.yaml", model="model_pad_is_eos")
     assert [m["loss"] for m in a.metrics] == [m["loss"] for m in b.metrics]
     assert a.summary["val_loss"] == b.summary["val_loss"]
-    # The share of positions in the loss is the responses' tokens and their end-of-sequence tokens.
+    # The share of positions in the loss is the responses' tokens and their end-of-sequence tokens, as far
+    # as the block holds them.
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(hf / "model")
-    per_pair = [len(tok(r, add_special_tokens=False)["input_ids"]) + 1 for _, r in corpus()]
-    assert min(per_pair) / (BLOCK - 1) <= a.summary["loss_positions_share"] <= max(per_pair) / (BLOCK - 1)
+    per_pair = [min(len(tok(p)["input_ids"]) + len(tok(r, add_special_tokens=False)["input_ids"]) + 1, BLOCK)
+                - len(tok(p)["input_ids"]) for p, r in uneven_pairs()]
+    kept = [n for n in per_pair if n > 0]
+    assert min(kept) / (BLOCK - 1) <= a.summary["loss_positions_share"] <= max(kept) / (BLOCK - 1)
 
 
 @pytest.mark.slow
@@ -143,17 +166,93 @@ def test_packed_text_and_bf16_export(finetune):
     from safetensors import safe_open
     with safe_open(run.out_dir / "model" / "model.safetensors", "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    # config.json names the dtype of the file, not of the fp32 model that wrote it: from_pretrained then loads bf16.
+    assert json.loads((run.out_dir / "model" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 @pytest.mark.slow
-def test_killed_rank_then_resume_is_exact(finetune, start, hf, tmp_path):
-    """FSDP2 with sharded checkpoints: one rank killed mid-run, the resumed run ends with the uninterrupted
-    run's losses and weights, bit for bit."""
+def test_loss_is_weighted_by_tokens_over_the_whole_step(finetune):
+    """Responses of 1 to 30 words: 1 process, --grad-accum 2 and 2-process DDP give the same losses, because
+    the loss is the mean over every loss token of the optimizer step (a mean per micro-batch or per rank
+    differs by 3e-4 at step 2). The evaluation at step 4 reads the same examples in all three."""
+    one, accumulated, ddp = finetune("cpu.yaml"), finetune("cpu.yaml", "--grad-accum", "2"), finetune("2gpu.yaml")
+    for run in (accumulated, ddp):
+        assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
+        for a, b in zip(one.metrics, run.metrics):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+            assert b.get("val_loss", 0) == pytest.approx(a.get("val_loss", 0), rel=1e-5), (a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(LORA_PRECISION))
+def test_lora_adapter_loads_with_peft(lora, hf, config):
+    """The adapter PEFT loads onto the untouched base gives the run's own answer; so does the merged export;
+    only the adapted layers' weights differ from the base. FSDP2 runs in bf16: a bf16 frozen base with fp32
+    adapters, compared at bf16's resolution."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    run = lora(config)
+    s = run.summary
+    assert_engine(s, config)
+    assert s["mixed_precision"] == LORA_PRECISION[config] and s["lora_r"] == 4 and s["final_loss"] < s["first_loss"]
+    cfg = json.loads((hf / "model" / "config.json").read_text())
+    d, ff = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = d // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    # Rank-4 A and B matrices on q, o (d -> d), k, v (d -> kv), gate, up (d -> ff) and down (ff -> d).
+    assert s["trainable_params"] == cfg["num_hidden_layers"] * 4 * (2 * 2 * d + 2 * (d + kv) + 3 * (d + ff))
+    bf16 = LORA_PRECISION[config] == "bf16"
+    tolerance = 2e-2 if bf16 else 1e-5
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    base = AutoModelForCausalLM.from_pretrained(hf / "model", dtype=dtype)
+    before, _ = sample_logprobs(base, s, bf16)
+    adapted = PeftModel.from_pretrained(base, run.out_dir / "adapter")
+    after, choices = sample_logprobs(adapted, s, bf16)
+    assert after == pytest.approx(s["sample_logprobs"], abs=tolerance)
+    assert max(abs(a - b) for a, b in zip(before, s["sample_logprobs"])) > 10 * tolerance  # the adapter matters
+    merged = AutoModelForCausalLM.from_pretrained(run.out_dir / "model")
+    assert sample_logprobs(merged, s, bf16)[0] == pytest.approx(s["sample_logprobs"], abs=tolerance)
+    assert json.loads((run.out_dir / "model" / "config.json").read_text())["dtype"] == "float32"
+    original, exported = (load_file(d / "model.safetensors") for d in (hf / "model", run.out_dir / "model"))
+    assert original.keys() == exported.keys()
+    for key, weight in original.items():
+        same = torch.equal(weight.to(dtype).float(), exported[key])
+        assert same == (not key.endswith("proj.weight")), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["2gpu.yaml", "deepspeed_zero3.yaml"])
+def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora, hf, tmp_path, config):
+    """The checkpoint leaves the frozen base out (the resumed run loads it from --model again); resumed from
+    step 3, the run ends with the uninterrupted run's losses and adapter, bit for bit."""
+    ref = lora(config)
+    step3 = hf / f"ckpt-lora-{config}" / "step-00000003"
+    if config == "2gpu.yaml":
+        from safetensors import safe_open
+        with safe_open(step3 / "model.safetensors", "pt") as f:
+            assert f.keys() and all(".lora_" in key for key in f.keys())
+    else:  # DeepSpeed's module files: no fragments of the frozen parameters
+        for part in (step3 / "pytorch_model").glob("*_model_states.pt"):
+            states = torch.load(part, weights_only=True)
+            assert not states["frozen_param_fragments"] and all(".lora_" in key for key in states["module"])
+    shutil.copytree(step3, tmp_path / "ckpt" / step3.name)
+    resumed = lora(config, checkpoint_dir=tmp_path / "ckpt")
+    assert resumed.summary["resumed_from_step"] == 3
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in ref.metrics if m["step"] > 3]
+    adapter = "adapter/adapter_model.safetensors"
+    assert (resumed.out_dir / adapter).read_bytes() == (ref.out_dir / adapter).read_bytes()
+
+
+@pytest.mark.slow
+def test_killed_rank_then_resume_is_exact(lora, start, hf, tmp_path):
+    """LoRA under FSDP2 in bf16, sharded checkpoints: one rank killed mid-run, the resumed run ends with the
+    uninterrupted run's losses and adapter, bit for bit."""
     config = "fsdp.yaml"
-    ckpt = ["--checkpoint-every", "3", "--keep-last", "0"]
-    ref = finetune(config, "--checkpoint-dir", str(tmp_path / "ref"), *ckpt)
-    args = [*training(hf), "--checkpoint-dir", str(tmp_path / "ckpt"), *ckpt]
-    run = start(config, *args, recipe="recipes/finetune_lm.py", env={"TEST_STEP_SECONDS": "0.3"})
+    ref = lora(config)
+    args = [*training(hf), *LORA, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3",
+            "--keep-last", "0"]
+    run = start(config, *args, recipe="recipes/finetune_lm.py", env={"TEST_STEP_SECONDS": "0.3"},
+                launch_args=("--mixed_precision", LORA_PRECISION[config]))
     run.wait_until(lambda: run.steps_logged() >= 4 and len(run.workers()) == 2, "step 4")
     os.kill(next(pid for pid in run.workers() if rank_of(pid) == 1), signal.SIGKILL)
     assert run.finish() != 0 and run.left == []
@@ -161,10 +260,9 @@ def test_killed_rank_then_resume_is_exact(finetune, start, hf, tmp_path):
     assert code == 0, output[-4000:]
     resumed = Run(code, output, run.log_path.parent)
     assert resumed.summary["resumed_from_step"] in (3, 6)
-    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in ref.metrics]
-    from safetensors.torch import load_file
-    a, b = (load_file(r.out_dir / "model" / "model.safetensors") for r in (ref, resumed))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in ref.metrics]  # the killed run's lines too
+    adapter = "adapter/adapter_model.safetensors"
+    assert (resumed.out_dir / adapter).read_bytes() == (ref.out_dir / adapter).read_bytes()
 
 
 @pytest.mark.slow

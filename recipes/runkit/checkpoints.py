@@ -117,7 +117,8 @@ class Checkpointer:
         from the model the run starts from, which must_match pins, so checkpoints leave them out where the
         engine allows: DeepSpeed's module files, and the model file without DeepSpeed or FSDP. FSDP's sharded
         save takes the whole state dict (accelerate has no filter for it), each rank writing its shard."""
-        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        plain = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        frozen = {name for name, p in plain.named_parameters() if not p.requires_grad}
         engine = self.accelerator.distributed_type
         if not frozen or engine == DistributedType.FSDP:
             return {}, {}
@@ -125,9 +126,9 @@ class Checkpointer:
             return {"exclude_frozen_parameters": True}, {"load_module_strict": False}
 
         def trainable_only(models, weights, output_dir):  # accelerate calls it with each model's state dict
-            for state in weights:
-                for name in frozen & state.keys():
-                    del state[name]
+            for state in weights:  # named as in the model, or behind DDP's module. and compile's _orig_mod.
+                for key in [k for k in state if k.removeprefix("module.").replace("_orig_mod.", "") in frozen]:
+                    del state[key]
         self.accelerator.register_save_state_pre_hook(trainable_only)
         return {}, {"strict": False}
 
