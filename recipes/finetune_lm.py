@@ -6,16 +6,23 @@
         --model ./my-llama-8b --data-files 'books/*.txt' --gradient-checkpointing
     python tests/tiny_hf.py /tmp/tiny && python recipes/finetune_lm.py --model /tmp/tiny/model \\
         --data-files /tmp/tiny/pairs.jsonl --block-size 32 --max-steps 300 --batch-size 16 --lr 3e-3   # CPU
+    python recipes/finetune_lm.py --model /tmp/tiny/model --data-files /tmp/tiny/chat.jsonl \\
+        --max-steps 300 --batch-size 16 --lr 3e-3   # CPU, chat
 
 --model: a hub id or a local save_pretrained directory. The Accelerator exists before from_pretrained:
 under ZeRO-3 with zero3_init_flag (deepspeed_zero3*.yaml) transformers loads the model partitioned;
 under FSDP2 prepare() shards the main process's copy. The summary has the loading's peak memory.
 
 Data through `datasets`: --data-files (text or JSON Lines, globs, comma-separated) or --dataset (hub).
-JSON records are prompt/response pairs, padded to --block-size, the loss on the response and its
-end-of-sequence token only; text is packed into blocks. Labels are set by position, not token id:
-padding never counts. The result, OUTPUT_DIR/model, is save_pretrained (safetensors) with the
-tokenizer, gathered from every rank. tokens/s counts every position (padding too); MFU: --peak-tflops.
+--format auto reads the columns: `messages` (--messages-column), lists of {role, content} turns, is chat,
+rendered with the tokenizer's chat template, the loss on the assistant turns and their end-of-turn
+tokens only (from the template's {% generation %} markers, or else from rendering each conversation's
+prefixes); prompt/response records are pairs, the loss on the response and its end-of-sequence token;
+plain text is packed into blocks. Examples are padded to --block-size (default: the model's context, at
+most 1024); labels are set by position, not token id: padding never counts. The first line and the
+summary (cut_examples, dropped_examples) count the examples whose last response --block-size cut, and
+those dropped with nothing left to learn. The result, OUTPUT_DIR/model, is save_pretrained (safetensors)
+with the tokenizer, gathered from every rank. tokens/s counts every position (padding too); MFU: --peak-tflops.
 
 Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
 fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3

@@ -1,0 +1,207 @@
+"""recipes/finetune_lm.py's data: chat conversations learned on their assistant turns only, the format read from
+the columns, values of the wrong type refused with one message, the examples --block-size cuts counted, and a
+--block-size that fits the model by default.
+
+Most of it runs in this process on tests/tiny_hf.py's tokenizer (its chat template has {% generation %} markers;
+copies without markers and without a template); two runs of the recipe (python, one process) check what only a
+run shows: a refusal without a traceback, and a chat fine-tune's summary.
+"""
+
+import contextlib
+import json
+import math
+import sys
+
+import pytest
+
+from launching import REPO, Run, run_command
+from run_checks import assert_refused
+from tiny_hf import PLAIN_CHAT_TEMPLATE, conversations, corpus, uneven_pairs, with_chat_template, write_all
+
+sys.path.insert(0, str(REPO / "recipes"))
+import finetune_lm  # noqa: E402
+from finetune_lm import IGNORE, assistant_positions, encode_chat, load_examples, parse_args  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny model and its data, a copy whose chat template has no generation markers, one with no template."""
+    root = write_all(tmp_path_factory.mktemp("tiny_chat"))
+    with_chat_template(root / "model", root / "plain", PLAIN_CHAT_TEMPLATE)
+    with_chat_template(root / "model", root / "bare", None)
+    return root
+
+
+def tokenizer(root, name):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(root / name)
+
+
+class Refused(Exception):
+    pass
+
+
+class OneProcess:
+    """What load_examples needs of the Accelerator and of the Run, in this process."""
+
+    def main_process_first(self):
+        return contextlib.nullcontext()
+
+    def fail(self, message):
+        raise Refused(message)
+
+
+def examples(root, data, *flags, model="model", block_size=64):
+    """load_examples on `data` with the recipe's own flags: (train, validation, format, source, cuts)."""
+    args = parse_args(["--model", str(root / model), "--data-files", str(root / data), *flags])
+    one = OneProcess()
+    return load_examples(args, one, one, tokenizer(root, model), block_size)
+
+
+def refusal(root, data, *flags, model="model"):
+    with pytest.raises(Refused) as refused:
+        examples(root, data, *flags, model=model)
+    return str(refused.value)
+
+
+CHAT = [{"role": "system", "content": "You add and multiply."},
+        {"role": "user", "content": "Question: what is 3 plus 4?"}, {"role": "assistant", "content": "It is 7."},
+        {"role": "user", "content": "Question: what is 6 times 2?"}, {"role": "assistant", "content": "It is 12."}]
+
+
+def test_chat_labels_are_the_assistant_turns_by_position(tiny):
+    """Exactly the assistant contents and the </s> closing each are learned, from the generation markers and from
+    the prefix renders alike; the headers, the other turns and the padding never are, even with pad = </s>."""
+    tok = tokenizer(tiny, "model")
+    eos = tok.eos_token_id
+
+    def piece(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+    # The rendering built piece by piece, each piece's tokens marked learned or not.
+    pieces = [([tok.bos_token_id], False), (piece("<|system|>\nYou add and multiply.\n"), False),
+              (piece("<|user|>\nQuestion: what is 3 plus 4?\n"), False), (piece("<|assistant|>\n"), False),
+              (piece("It is 7.") + [eos], True), (piece("<|user|>\nQuestion: what is 6 times 2?\n"), False),
+              (piece("<|assistant|>\n"), False), (piece("It is 12.") + [eos], True)]
+    ids = [t for part, _ in pieces for t in part]
+    learned = [keep for part, keep in pieces for _ in part]
+    marked = assistant_positions(tok, CHAT)
+    prefixes = assistant_positions(tokenizer(tiny, "plain"), CHAT)
+    assert marked == prefixes == (ids, learned)
+    assert tok.decode([t for t, keep in zip(ids, learned) if keep]) == "It is 7.</s>It is 12.</s>"
+
+    block = len(ids) + 3
+    input_ids, labels = encode_chat(ids, learned, eos, block)  # the pad token is </s>: labels by position
+    assert input_ids == ids + [eos] * 3
+    assert labels == [t if keep else IGNORE for t, keep in zip(ids, learned)] + [IGNORE] * 3
+    input_ids, labels = encode_chat(ids, learned, eos, len(ids) - 2)  # the last answer's '.' and </s> cut
+    assert input_ids == ids[:-2] and labels == [t if keep else IGNORE for t, keep in zip(ids, learned)][:-2]
+
+
+def test_markers_and_prefix_renders_agree_on_every_conversation(tiny):
+    marked, plain = tokenizer(tiny, "model"), tokenizer(tiny, "plain")
+    for messages in conversations():
+        ids, learned = assistant_positions(marked, messages)
+        assert assistant_positions(plain, messages) == (ids, learned)
+        answers = [m["content"] + "</s>" for m in messages if m["role"] == "assistant"]
+        assert marked.decode([t for t, keep in zip(ids, learned) if keep]) == "".join(answers)
+
+
+def test_the_format_comes_from_the_columns(tiny):
+    (tiny / "notes.jsonl").write_text("".join(json.dumps({"text": p + r}) + "\n" for p, r in corpus(200)))
+    assert examples(tiny, "chat.jsonl")[2] == "chat"
+    assert examples(tiny, "pairs.jsonl")[2] == "pairs"
+    assert examples(tiny, "text.txt")[2] == "text"
+    assert examples(tiny, "notes.jsonl")[2] == "text"
+    (tiny / "turns.jsonl").write_text(
+        "".join(json.dumps({"dialogue": m, "id": i}) + "\n" for i, m in enumerate(conversations(40))))
+    assert examples(tiny, "turns.jsonl", "--messages-column", "dialogue")[2] == "chat"
+
+
+def test_a_chat_without_a_template_is_one_message(tiny):
+    message = refusal(tiny, "chat.jsonl", model="bare")
+    assert "tokenizer has none" in message and "chat_template.jinja" in message
+
+
+def test_each_column_of_the_wrong_kind_is_one_message_that_leads_somewhere(tiny):
+    # The missing column's advice, followed, ends at the type check, whose advice is a run that works.
+    message = refusal(tiny, "chat.jsonl", "--format", "text")
+    assert "not ['text']: name them with --text-column" in message and "--format pairs or chat" in message
+    message = refusal(tiny, "chat.jsonl", "--format", "text", "--text-column", "messages")
+    assert message.endswith("use --format chat --messages-column messages")
+    assert examples(tiny, "chat.jsonl", "--format", "chat", "--messages-column", "messages")[2] == "chat"
+    message = refusal(tiny, "chat.jsonl", "--format", "pairs", "--prompt-column", "messages",
+                      "--response-column", "messages")
+    assert "holds conversations" in message
+    message = refusal(tiny, "pairs.jsonl", "--format", "chat", "--messages-column", "prompt")
+    assert "holds text, not conversations" in message and "--format text --text-column prompt" in message
+    (tiny / "numbers.jsonl").write_text("".join(json.dumps({"prompt": p, "response": 7}) + "\n" for p, _ in corpus(40)))
+    assert "holds 7, not text" in refusal(tiny, "numbers.jsonl")
+    (tiny / "qa.jsonl").write_text("".join(json.dumps({"question": p, "answer": r}) + "\n" for p, r in corpus(40)))
+    message = refusal(tiny, "qa.jsonl")
+    assert "--prompt-column and --response-column" in message and "--format chat --messages-column" in message
+
+
+def independent_pair_cuts(tok, pairs, block):
+    """(cut, dropped): responses whose </s> is past the block; of them, those that start past it."""
+    lengths = [(len(tok(p)["input_ids"]), len(tok(r, add_special_tokens=False)["input_ids"]) + 1) for p, r in pairs]
+    return sum(p + r > block for p, r in lengths), sum(p >= block for p, _ in lengths)
+
+
+def independent_chat_cuts(tok, chats, block):
+    """(cut, dropped): every chat ends with an answer and its </s>, so it is cut when its rendering is longer than
+    the block; dropped when the rendering up to the first answer's generation prompt fills the block already."""
+    cut = sum(len(tok.apply_chat_template(m)["input_ids"]) > block for m in chats)
+    dropped = sum(len(tok.apply_chat_template(m[:next(i for i, t in enumerate(m) if t["role"] == "assistant")],
+                                              add_generation_prompt=True)["input_ids"]) >= block for m in chats)
+    return cut, dropped
+
+
+@pytest.mark.parametrize("data, block", [("uneven.jsonl", 36), ("uneven.jsonl", 20), ("chat.jsonl", 60)])
+def test_the_examples_block_size_cuts_are_counted(tiny, data, block):
+    tok = tokenizer(tiny, "model")
+    if data == "chat.jsonl":
+        cut, dropped = independent_chat_cuts(tok, conversations(), block)
+    else:
+        cut, dropped = independent_pair_cuts(tok, uneven_pairs(), block)
+    assert cut > 0 and (dropped > 0 or block == 36)  # the cases cut something, and the short blocks drop some
+    train, validation, _, _, cuts = examples(tiny, data, block_size=block)
+    total = len(conversations()) if data == "chat.jsonl" else len(uneven_pairs())
+    assert cuts == {"tokenised_examples": total, "cut_examples": cut, "dropped_examples": dropped}
+    assert len(train) + len(validation) == total - dropped
+    note = finetune_lm.cut_note(cuts, "chat", block)
+    assert f"{cut} of {total} examples cut at --block-size {block}" in note
+    assert (f"{dropped} dropped" in note) == (dropped > 0)
+
+
+def recipe(tiny, out, *flags):
+    cmd = [sys.executable, "recipes/finetune_lm.py", "--model", str(tiny / "model"), "--output-dir", str(out),
+           "--max-steps", "6", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "1", "--log-every", "1",
+           "--eval-every", "3", "--eval-batches", "2", "--sample-tokens", "6", "--save-dtype", "float32", *flags]
+    return Run(*run_command(cmd), out)
+
+
+@pytest.mark.slow
+def test_a_column_of_conversations_read_as_text_is_refused_in_one_line(tiny, tmp_path):
+    run = recipe(tiny, tmp_path / "out", "--data-files", str(tiny / "chat.jsonl"), "--format", "text",
+                 "--text-column", "messages")
+    assert_refused(run, "the column 'messages' holds conversations")
+    assert "Traceback" not in run.output
+
+
+@pytest.mark.slow
+def test_chat_fine_tune_with_the_default_block_size(tiny, tmp_path):
+    """No --block-size: the tiny model's context, 128 (under 1024); chat detected; the cut conversations counted
+    on the first line and in the summary; the loss on the assistant turns goes down."""
+    from transformers import AutoConfig
+    context = AutoConfig.from_pretrained(tiny / "model").max_position_embeddings
+    assert context < 1024
+    run = recipe(tiny, tmp_path / "out", "--data-files", str(tiny / "chat.jsonl"))
+    assert run.returncode == 0, run.output[-3000:]
+    s = run.summary
+    cut, dropped = independent_chat_cuts(tokenizer(tiny, "model"), conversations(), context)
+    assert s["data_format"] == "chat" and s["block_size"] == context
+    assert s["cut_examples"] == cut > 0 and s["dropped_examples"] == dropped == 0
+    assert f"{cut} of {len(conversations())} examples cut at --block-size {context}" in run.output
+    losses = [m["loss"] for m in run.metrics]
+    assert all(math.isfinite(x) for x in losses) and s["final_loss"] < s["first_loss"]
+    assert s["sample_prompt"].endswith("<|assistant|>\n")  # the held-out chat up to its first answer
