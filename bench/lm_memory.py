@@ -1,6 +1,7 @@
-"""Which Hugging Face causal LMs a full fine-tune (recipes/finetune_lm.py, AdamW) fits on 2 x 80 GB, per engine.
+"""Which Hugging Face causal LMs a fine-tune (recipes/finetune_lm.py, AdamW) fits on 2 x 80 GB, per engine:
+a full fine-tune, and LoRA (--lora-r).
 
-    python bench/lm_memory.py [--gpus 2] [--gpu-gb 80] [--tokens-per-gpu 4096]
+    python bench/lm_memory.py [--gpus 2] [--gpu-gb 80] [--tokens-per-gpu 4096] [--lora-r 16]
 
 Computed, not measured: the parameter counts come from the real architectures built on the meta
 device (no download), the bytes per parameter from what each engine keeps, and the activations
@@ -12,10 +13,15 @@ Model states per GPU, bytes per parameter (N parameters, G GPUs):
   ZeRO-3 (bf16)                    16/G   everything sharded
   ZeRO-3 + CPU offload             ~0     on the GPU; about 18 N bytes of host memory in all
   FSDP2 (fsdp.yaml, bf16)          16/G   fp32 weights, gradients and moments, all sharded
+LoRA (--lora-r r on every linear layer of the decoder blocks, A rows, n adapter parameters): the
+base is frozen in bf16, 2 bytes per parameter (DDP: on every GPU; ZeRO-3, FSDP2: sharded, 2/G); the
+adapters take what a full fine-tune takes per parameter, on n instead of N (about 0.5% of N at r 16).
 Activations per token, bf16, flash attention (no T x T matrix): per layer about 24 d + 8 i bytes (the
 norms' fp32 copies, q/k/v, the attention output, the MLP's four i-wide tensors), plus the logits
 (bf16, their fp32 copy and its gradient: 10 V bytes). With gradient checkpointing only each layer's
-input (2 d bytes) stays, plus one layer recomputed at a time.
+input (2 d bytes) stays, plus one layer recomputed at a time. LoRA adds, per layer, the dropped-out
+copy of each adapted layer's input and its mask (3 bytes per element: 6 d + i elements per token,
+none with --lora-dropout 0), and the adapters' r-wide outputs (negligible).
 """
 
 import argparse
@@ -38,6 +44,7 @@ MODELS = {
                                         num_attention_heads=40, num_key_value_heads=8, vocab_size=152064)),
 }
 ENGINES = ("DDP", "ZeRO-2", "ZeRO-3", "ZeRO-3+off", "FSDP2")
+LORA_ENGINES = ("DDP", "ZeRO-3", "FSDP2")
 
 
 def parameters(name):
@@ -48,14 +55,26 @@ def parameters(name):
     return sum(p.numel() for p in model.parameters()), shape
 
 
-def rows(gpus=2, gpu_gb=80.0, tokens=4096):
-    """(name, parameters, {engine: model-state GB per GPU}, activation GB without/with checkpointing, fits)."""
+def adapter_parameters(shape, r):
+    """LoRA's A (r x in) and B (out x r) on q, k, v, o, gate, up and down of every decoder layer."""
+    d, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = d // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    return shape["num_hidden_layers"] * r * (2 * (d + d) + 2 * (d + kv) + 2 * (d + i) + (i + d))
+
+
+def rows(gpus=2, gpu_gb=80.0, tokens=4096, lora_r=0):
+    """(name, parameters, {engine: model-state GB per GPU}, activation GB without/with checkpointing, fits).
+    With lora_r: LoRA's, for LORA_ENGINES."""
     for name in MODELS:
         n, s = parameters(name)
         d, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
         states = {"DDP": 20 * n, "ZeRO-2": (2 + 14 / gpus) * n, "ZeRO-3": 16 / gpus * n, "ZeRO-3+off": 0.0,
                   "FSDP2": 16 / gpus * n}
         layer, logits = (24 * d + 8 * i) * tokens, 10 * vocab * tokens
+        if lora_r:
+            a = adapter_parameters(s, lora_r)
+            states = {"DDP": 2 * n + 20 * a, "ZeRO-3": (2 * n + 16 * a) / gpus, "FSDP2": (2 * n + 16 * a) / gpus}
+            layer += 3 * (6 * d + i) * tokens
         plain, checkpointed = layers * layer + logits, layers * 2 * d * tokens + layer + logits
         fits = {}
         for engine, bytes_ in states.items():
@@ -64,16 +83,18 @@ def rows(gpus=2, gpu_gb=80.0, tokens=4096):
         yield name, n, {k: v / 1e9 for k, v in states.items()}, plain / 1e9, checkpointed / 1e9, fits
 
 
-def table(gpus=2, gpu_gb=80.0, tokens=4096):
-    lines = [f"model states per GPU (GB) on {gpus} GPUs; activations (GB) at {tokens} tokens per GPU; fits in "
-             f"{gpu_gb:.0f} GB: yes, GC (only with --gradient-checkpointing), no; off host: host memory "
-             "ZeRO-3+off needs",
-             f"{'model':<14}{'params':>8} " + "".join(f"{e:>11}" for e in ENGINES)
-             + f"{'off host':>9}{'act':>7}{'act GC':>8}   fits: " + " / ".join(ENGINES)]
-    for name, n, states, plain, checkpointed, fits in rows(gpus, gpu_gb, tokens):
-        lines.append(f"{name:<14}{n / 1e9:>7.2f}B " + "".join(f"{states[e]:>11.1f}" for e in ENGINES)
-                     + f"{18 * n / 1e9:>9.0f}{plain:>7.1f}{checkpointed:>8.1f}   "
-                     + " / ".join(fits[e] for e in ENGINES))
+def table(gpus=2, gpu_gb=80.0, tokens=4096, lora_r=0):
+    engines = LORA_ENGINES if lora_r else ENGINES
+    what = f"LoRA r={lora_r}, bf16 base" if lora_r else "full fine-tune"
+    lines = [f"{what}: model states per GPU (GB) on {gpus} GPUs; activations (GB) at {tokens} tokens per GPU; fits "
+             f"in {gpu_gb:.0f} GB: yes, GC (only with --gradient-checkpointing), no"
+             + ("" if lora_r else "; off host: host memory ZeRO-3+off needs"),
+             f"{'model':<14}{'params':>8} " + "".join(f"{e:>11}" for e in engines)
+             + ("" if lora_r else f"{'off host':>9}") + f"{'act':>7}{'act GC':>8}   fits: " + " / ".join(engines)]
+    for name, n, states, plain, checkpointed, fits in rows(gpus, gpu_gb, tokens, lora_r):
+        lines.append(f"{name:<14}{n / 1e9:>7.2f}B " + "".join(f"{states[e]:>11.1f}" for e in engines)
+                     + ("" if lora_r else f"{18 * n / 1e9:>9.0f}") + f"{plain:>7.1f}{checkpointed:>8.1f}   "
+                     + " / ".join(fits[e] for e in engines))
     return "\n".join(lines)
 
 
@@ -82,5 +103,9 @@ if __name__ == "__main__":
     p.add_argument("--gpus", type=int, default=2, help="GPUs sharing the model states")
     p.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU")
     p.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per micro-batch per GPU (batch x length)")
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank of the second table (0: no LoRA table)")
     a = p.parse_args()
     print(table(a.gpus, a.gpu_gb, a.tokens_per_gpu))
+    if a.lora_r:
+        print()
+        print(table(a.gpus, a.gpu_gb, a.tokens_per_gpu, a.lora_r))
