@@ -43,6 +43,7 @@ from .engines import (
     engine,
     fsdp_reduce_in_fp32,
     gradient_sync,
+    quiet_deprecated_collectives,
     run_label,
 )
 from .exits import fail, main_print, teardown
@@ -128,6 +129,7 @@ class Run:
         self.accelerator, self.print = accelerator, main_print(accelerator)
         self.batch_size, self.grad_accum, self.max_grad_norm = batch_size, grad_accum, max_grad_norm
         check_launch(accelerator)
+        quiet_deprecated_collectives()
         if refuse_offload:
             refuse_optimizer_offload(accelerator, *refuse_offload)
         check_batch(accelerator, batch_size, grad_accum, eval_batch_size)
