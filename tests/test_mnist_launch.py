@@ -276,3 +276,14 @@ def test_bad_yaml_is_rejected_before_any_process_starts(launch, tmp_path, conten
     assert run.returncode != 0
     assert message in run.output and "bad.yaml" in run.output
     assert "DATA:" not in run.output  # the recipe never started
+
+
+def test_deepspeed_bf16_exports_the_fp32_masters(launch):
+    """Under a DeepSpeed bf16 engine the module holds bf16 weights and the optimizer the fp32 masters: the
+    export carries the masters, like DDP and FSDP (before, the bf16 weights upcast, labelled float32)."""
+    run = launch("deepspeed_zero2.yaml", "--epochs", "1", "--max-steps", "5", "--batch-size", "200")
+    assert run.summary["mixed_precision"] == "bf16" and run.summary["exported_dtype"] == "float32"
+    weights = {k: v for k, v in run.params().items() if k.endswith("weight")}
+    assert weights and all(v.dtype == torch.float32 for v in weights.values())
+    # Trained fp32 masters are almost never representable in bf16's 8-bit mantissa; bf16 weights always are.
+    assert any((v != v.bfloat16().float()).any() for v in weights.values()), "exported weights are bf16 values"

@@ -41,6 +41,7 @@ from .engines import (
     cast_buffers_for_half_precision,
     deepspeed_clip_like,
     engine,
+    exported_state_dict,
     fsdp_reduce_in_fp32,
     gradient_sync,
     quiet_deprecated_collectives,
@@ -369,7 +370,7 @@ class Run:
         self.stopper.ignore_from_now()
         if self._evaluation_due("end"):
             self._evaluate("end")
-        state_dict = acc.get_state_dict(model)  # collective: gathers ZeRO-3 / FSDP shards
+        state_dict = exported_state_dict(acc, model)  # collective: gathers ZeRO-3 / FSDP shards, DeepSpeed's masters
         shards = footprint(acc, model)
         timing = self.timer.timing(self.samples_per_micro, self.unit)
         if acc.is_main_process:
