@@ -175,6 +175,17 @@ def test_resnet_under_fsdp_on_two_gpus(tmp_path, gpu_data):
     assert run.summary["fsdp_units"], run.summary["fsdp_units"]
 
 
+def test_pi_times_the_computation_not_its_launch(tmp_path):
+    """On a GPU the kernels of the partial sum are queued: the compute time is taken once the sum is read."""
+    out = tmp_path / "pi"
+    cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / "1gpu.yaml"), "--main_process_port",
+           str(free_port()), "recipes/pi.py", "--intervals", "1e9", "--output-dir", str(out)]
+    returncode, output = run_command(cmd, timeout=300)
+    assert returncode == 0, output[-4000:]
+    [row] = Run(returncode, output, out).summary["results"]
+    assert row["compute_seconds_per_rank"][0] >= 0.5 * row["seconds"], row
+
+
 def test_pack_sees_the_gpu():
     """The machine the pack runs on, in its log: the device and the software (the first line to read)."""
     print(f"{GPUS} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
