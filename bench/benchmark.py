@@ -5,6 +5,7 @@
     python bench/benchmark.py --recipe gpt --preset tiny --configs 2gpu.yaml deepspeed_zero3.yaml
     python bench/benchmark.py --recipe resnet --recipe-args "--data-dir my_images --image-size 32"
     python bench/benchmark.py --recipe gpt --preset 124M --mixed-precision bf16 --configs 1gpu_compile.yaml
+    python bench/benchmark.py --gpu-table                      # on a GPU: the GPU table (docs/measuring.md)
 
 Every run has the same global batch, seed, step count and precision (--mixed-precision, fp32 by
 default, like the baselines). On a machine with GPUs every run uses all of them; without, it runs
