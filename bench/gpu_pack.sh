@@ -2,7 +2,7 @@
 # The whole GPU story on a machine with CUDA (README, "On a GPU"):
 #   bash bench/gpu_pack.sh pack     # the GPU pack: python -m pytest -m gpu (under 10 minutes on one H100)
 #   bash bench/gpu_pack.sh table    # the GPU table: bench/benchmark.py --gpu-table into bench/results/<date>-<gpu>/
-#   bash bench/gpu_pack.sh          # both, one after the other
+#   bash bench/gpu_pack.sh          # both, one after the other (two calls where a call may last 10 minutes)
 # Such a machine may reach no package registry: what its Python lacks (DeepSpeed, datasets) is installed from
 # the wheels in .gpu/w, prepared beforehand on a machine that does (README). torch is never reinstalled: the
 # machine's own CUDA build stays. With $OUT set (a folder that is fetched back), the pack's log and the
@@ -35,7 +35,7 @@ fi
 out="${OUT:-}"
 status=0
 if [[ "$what" != table ]]; then
-  python -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "${out:-.}/gpu-pack.log" || status=1
+  python -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "${out:-bench/results}/gpu-pack.log" || status=1
 fi
 if [[ "$what" != pack ]]; then
   started="$(mktemp)"
