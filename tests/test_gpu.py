@@ -110,6 +110,8 @@ def assert_gpu_run(run, config, recipe):
     assert losses[-1] < losses[0], losses
     # The peak device memory, read from the CUDA allocator.
     assert s["peak_memory_kind"] == "cuda_allocated" and s["peak_memory_mb"] > 0, s
+    reserved = s["peak_memory_reserved_mb_per_rank"]
+    assert len(reserved) == s["world_size"] and all(r >= a for r, a in zip(reserved, s["peak_memory_mb_per_rank"]))
     if recipe in ("mnist", "gpt"):
         assert s["optimizer_implementation"] == "fused", s["optimizer_implementation"]
     if recipe in ("gpt", "finetune_lm"):
