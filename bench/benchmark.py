@@ -5,6 +5,7 @@
     python bench/benchmark.py --recipe gpt --preset tiny --configs 2gpu.yaml deepspeed_zero3.yaml
     python bench/benchmark.py --recipe resnet --recipe-args "--data-dir my_images --image-size 32"
     python bench/benchmark.py --recipe gpt --preset 124M --mixed-precision bf16 --configs 1gpu_compile.yaml
+    python bench/benchmark.py --gpu-table                      # on a GPU: the GPU table (docs/measuring.md)
 
 Every run has the same global batch, seed, step count and precision (--mixed-precision, fp32 by
 default, like the baselines). On a machine with GPUs every run uses all of them; without, it runs
@@ -52,6 +53,9 @@ DEFAULT_TARGET_LOSS = {"mnist": 0.3, "gpt": 3.0, "resnet": 0.5}
 DEFAULT_BATCH = {"mnist": 128, "gpt": 32, "resnet": 64}  # global; resnet below its recipe's 256, for CPUs
 BASELINES = {"ddp-by-hand (per-sample ToTensor)": "per-sample", "ddp-by-hand (tensor pipeline)": "tensor"}
 DDP = "2gpu.yaml"
+# CONFIG+VARIANT in --configs: a shipped config with one change, for the comparisons of --gpu-table.
+VARIANTS = {"deepspeed_zero2.yaml+no-overlap": "ZeRO-2 with overlap_comm false",
+            "fsdp.yaml+one-unit": "FSDP with the whole model as one unit (fsdp_auto_wrap_policy NO_WRAP)"}
 LEAN = "lean loop"  # bench/lean_loop.py's rows: "lean loop", "lean loop (compiled)", "lean loop (CPU)" ...
 # recipe throughput / lean-loop throughput: (goal, when it applies). GPU goals; on a CPU the ratio is shown, not judged.
 LEAN_GOALS = {"mnist": (0.80, "MNIST at global batch 512, on a GPU"), "gpt": (0.90, "GPT-124M compiled, on a GPU")}
@@ -85,14 +89,150 @@ def parse_args():
     p.add_argument("--num-processes", type=int, default=0, help="0: every GPU here, or 2 CPU processes")
     p.add_argument("--data-dir", default="data", help="mnist: where MNIST or the synthetic digits live")
     p.add_argument("--out", default="bench/results", help="report folder")
+    p.add_argument("--gpu-table", action="store_true",
+                   help="the GPU table (GPU_TABLE_PARTS) into OUT/<date>-<gpu>/; the other flags but --out and "
+                        "--peak-tflops are ignored")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="--gpu-table: the GPU's dense bf16 peak for MFU (0: from the device's name, PEAK_TFLOPS)")
     args = p.parse_args()
-    missing = [c for c in args.configs if not (CONFIGS / c).is_file()]
+    missing = [c for c in args.configs if not (CONFIGS / c.split("+")[0]).is_file()]
     if missing:
         p.error(f"no such config in accelerate_configs/: {', '.join(missing)}")
+    wrong = [c for c in args.configs if "+" in c and c not in VARIANTS]
+    if wrong:
+        p.error(f"no such variant: {', '.join(wrong)} (there are {', '.join(VARIANTS)})")
     args.batch_size = args.batch_size or DEFAULT_BATCH[args.recipe]
     if args.steps < 3 or args.repeats < 1:
         p.error("--steps must be at least 3 (the first step is start-up) and --repeats at least 1")
     return args
+
+
+# --gpu-table: (folder, benchmark arguments, what the part shows), each part one benchmark run into its folder.
+# Sized for the whole table to fit in under 10 minutes on one H100. {images}: an image folder made here.
+GPU_TABLE_PARTS = [
+    ("mnist", ["--recipe", "mnist", "--configs", "1gpu.yaml", "1gpu_compile.yaml", "--no-baselines",
+               "--steps", "200", "--batch-size", "512"],
+     "MNIST: throughput, recipe / lean loop (goal at global batch 512), compile speed-up"),
+    ("gpt", ["--recipe", "gpt", "--preset", "124M", "--configs", "1gpu.yaml", "1gpu_compile.yaml", "--steps", "60"],
+     "GPT-124M: throughput, MFU, recipe / lean loop (goal compiled), compile speed-up"),
+    ("resnet", ["--recipe", "resnet", "--configs", "1gpu.yaml", "1gpu_compile.yaml", "--steps", "60",
+                "--recipe-args", "--data-dir {images} --image-size 32 --num-workers 4"],
+     "ResNet-18 at 32 px: throughput, compile speed-up"),
+    ("zero2-overlap", ["--recipe", "gpt", "--preset", "124M", "--configs", "deepspeed_zero2.yaml",
+                       "deepspeed_zero2.yaml+no-overlap", "--no-lean", "--steps", "40"],
+     "GPT-124M under ZeRO-2, gradient reduction overlapping backward or after it"),
+    ("fsdp-units", ["--recipe", "gpt", "--preset", "124M", "--configs", "fsdp.yaml", "fsdp.yaml+one-unit",
+                    "--no-lean", "--steps", "40"],
+     "GPT-124M under FSDP2, one unit per block or the whole model as one unit"),
+]
+# Dense bf16 peak TFLOPS by device name (first match), the MFU denominator: the SXM figure would understate the
+# MFU of a PCIe card by up to a quarter.
+PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
+
+
+def peak_tflops_for(name):
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+
+
+def gpu_table_runs(out, peak_tflops, images):
+    """[(folder, command)]: one benchmark run per part of GPU_TABLE_PARTS, in bf16, into out/<folder>."""
+    runs = []
+    for folder, part_args, _ in GPU_TABLE_PARTS:
+        part_args = [a.replace("{images}", str(images)) for a in part_args]
+        if "gpt" in part_args:  # MFU needs the peak; the lean loop takes the same flag
+            at = part_args.index("--recipe-args") + 1 if "--recipe-args" in part_args else None
+            extra = f"--peak-tflops {peak_tflops:g}"
+            part_args = (part_args[:at] + [f"{part_args[at]} {extra}"] + part_args[at + 1:] if at
+                         else part_args + ["--recipe-args", extra])
+        runs.append((folder, [sys.executable, str(REPO / "bench" / "benchmark.py"), *part_args,
+                              "--mixed-precision", "bf16", "--out", str(out / folder)]))
+    return runs
+
+
+def gpu_table(args):
+    """Run the parts of the GPU table and write OUT/<date>-<gpu>/README.md from their results.json."""
+    import torch
+    if not torch.cuda.is_available():
+        print("error: --gpu-table measures GPUs and this machine has no CUDA device; run it where one is "
+              "(README, 'On a GPU')", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(0)
+    peak = args.peak_tflops or peak_tflops_for(name)
+    if not peak:
+        print(f"error: no dense bf16 peak known for {name!r}: pass --peak-tflops", file=sys.stderr)
+        return 2
+    date = time.strftime("%Y-%m-%d")
+    out = Path(args.out).resolve() / f"{date}-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}"
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO / "tests"))
+    from image_folder import write_image_folder  # the tests' striped-image classes: no download needed
+    images = out / "images"
+    if not (images / "train").exists():
+        write_image_folder(images, train_per_class=1024, val_per_class=128, size=32)
+    failed = []
+    for folder, cmd in gpu_table_runs(out, peak, images):
+        print(f"gpu table: {folder}: {' '.join(cmd[1:])}", flush=True)
+        if subprocess.run(cmd, cwd=REPO).returncode != 0:
+            failed.append(folder)
+    reports = {folder: json.loads((out / folder / "results.json").read_text())
+               for folder, _, _ in GPU_TABLE_PARTS if (out / folder / "results.json").exists()}
+    (out / "README.md").write_text(gpu_table_markdown(reports, name, date, peak, failed))
+    print((out / "README.md").read_text())
+    return 1 if failed else 0
+
+
+def gpu_table_markdown(reports, name, date, peak, failed):
+    """The GPU table: one row per run of every part, then the comparisons the issue asks for."""
+    hw = next(iter(reports.values()))["hardware"] if reports else {}
+    lines = [f"# GPU table: {name}", "",
+             f"Measured {date} on {hw.get('label', name)} ({hw.get('host', '?')}); torch {hw.get('torch')}, "
+             f"accelerate {hw.get('accelerate')}, DeepSpeed {hw.get('deepspeed')}. `python bench/benchmark.py "
+             f"--gpu-table`: bf16, MFU against {peak:g} TFLOPS; each part's own report (results.md, logs) is in "
+             "its folder.", "",
+             "| part | run | procs | throughput | MFU | step ms | peak MB per proc | FSDP units |",
+             "|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+    by = {}
+    for folder, report in reports.items():
+        for row in report["table"]:
+            by[(folder, row["name"])] = row
+            if "failed" in row:
+                lines.append(f"| {folder} | {row['name']} | FAILED: see {row['log']} | | | | | |")
+                continue
+            unit = row["unit"].replace("_per_s", "/s")
+            lines.append(f"| {folder} | {row['name']} | {row['processes']} | {row['throughput']:.0f} {unit} | "
+                         f"{fmt(row.get('mfu') and 100 * row['mfu'], '{:.1f}%')} | {row['step_ms']:.1f} | "
+                         f"{' / '.join(f'{m:.0f}' for m in row['peak_memory_mb_per_rank'])} | "
+                         f"{fmt(row.get('fsdp_units'), '{}')} |")
+    lines += ["", "Comparisons (throughput ratios of the runs above):", ""]
+
+    def ratio(folder, a, b, key="throughput"):
+        ra, rb = by.get((folder, a)), by.get((folder, b))
+        if not ra or not rb or "failed" in ra or "failed" in rb:
+            return "-"
+        return f"{ra[key] / rb[key]:.3f}"
+    for folder in ("mnist", "gpt", "resnet"):
+        if folder not in reports:
+            continue
+        lean = reports[folder]["ratios"].get("recipe_vs_lean", {})
+        parts = [f"recipe / lean loop under {c}: {v['value']:.3f} (goal {v['goal']}, "
+                 f"{'met' if v['met'] else 'NOT met' if v['goal_applies'] else 'not judged'})" for c, v in lean.items()]
+        lines.append(f"- {folder}: compile speed-up (1gpu_compile.yaml / 1gpu.yaml) "
+                     f"{ratio(folder, '1gpu_compile.yaml', '1gpu.yaml')}" + "".join(f"; {p}" for p in parts))
+    if "zero2-overlap" in reports:
+        lines.append("- ZeRO-2 overlap_comm on / off: "
+                     f"{ratio('zero2-overlap', 'deepspeed_zero2.yaml', 'deepspeed_zero2.yaml+no-overlap')}")
+    if "fsdp-units" in reports:
+        lines.append(f"- FSDP one unit per block / one unit: {ratio('fsdp-units', 'fsdp.yaml', 'fsdp.yaml+one-unit')}"
+                     " (peak memory per block / one unit: "
+                     f"{ratio('fsdp-units', 'fsdp.yaml', 'fsdp.yaml+one-unit', 'peak_memory_mb')})")
+    if hw.get("gpus") and len(hw["gpus"]) < 2:
+        lines.append("- With one GPU, ZeRO-2 and FSDP run one process: there is no reduction to overlap and "
+                     "nothing to shard, so those two ratios show their overhead only; on 2 GPUs they compare the "
+                     "real thing.")
+    if failed:
+        lines.append(f"\nFAILED parts: {', '.join(failed)} (their logs are in their folders).")
+    return "\n".join(lines) + "\n"
 
 
 def hardware():
@@ -115,7 +255,24 @@ def _version(package):
 
 
 def load_config(config):
-    return yaml.safe_load(open(CONFIGS / config))
+    """The YAML of a config of accelerate_configs/, a variant (CONFIG+VARIANT) read as its base config."""
+    return yaml.safe_load(open(CONFIGS / config.split("+")[0]))
+
+
+def variant_config(config, out_dir):
+    """(config file, DeepSpeed JSON overrides) that run `config`: the shipped file, or for CONFIG+VARIANT
+    (VARIANTS) a copy of it in out_dir with the variant's one change, or the JSON change to make."""
+    base, _, variant = config.partition("+")
+    if not variant:
+        return CONFIGS / base, {}
+    if variant == "no-overlap":  # the ZeRO reduction after backward instead of overlapping it
+        return CONFIGS / base, {"zero_optimization": {"overlap_comm": False}}
+    cfg = load_config(base)
+    cfg["fsdp_config"]["fsdp_auto_wrap_policy"] = "NO_WRAP"  # one-unit: the whole model one FSDP unit
+    copy = Path(out_dir) / f"{Path(base).stem}.{variant}.yaml"
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return copy, {}
 
 
 def single_process(config):
@@ -181,17 +338,21 @@ def free_port():
         return s.getsockname()[1]
 
 
-def deepspeed_json_in(config, precision, out_dir):
+def deepspeed_json_in(config, precision, out_dir, overrides=None):
     """With a DeepSpeed JSON only the JSON sets the dtype (accelerate ignores --mixed_precision next to it):
     the path of a copy of `config`'s JSON in `precision` ("no", "bf16", "fp16"), written into out_dir, or
-    None for a config without a JSON. Nothing else in the copy changes. Used by the benchmark and the tests."""
+    None for a config without a JSON. Nothing else in the copy changes but `overrides` ({section: {key: value}},
+    a variant's). Used by the benchmark and the tests."""
     ds_file = (load_config(config).get("deepspeed_config") or {}).get("deepspeed_config_file")
     if not ds_file:
         return None
     ds = json.loads((REPO / ds_file).read_text())
     for dtype in ("bf16", "fp16"):
         ds[dtype] = {"enabled": precision == dtype}
-    copy = Path(out_dir) / f"{Path(ds_file).stem}.{precision}.json"
+    for section, values in (overrides or {}).items():
+        ds[section].update(values)
+    suffix = "".join(f".{k}-{v}" for values in (overrides or {}).values() for k, v in values.items())
+    copy = Path(out_dir) / f"{Path(ds_file).stem}.{precision}{suffix}.json"
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_text(json.dumps(ds, indent=1))
     return copy
@@ -200,9 +361,10 @@ def deepspeed_json_in(config, precision, out_dir):
 def config_launch(config, processes, on_gpu, mixed_precision, out):
     """accelerate launch arguments and environment that run `config` here with `processes` processes."""
     cfg = load_config(config)
-    args, env = ["--config_file", str(CONFIGS / config), "--main_process_port", str(free_port()),
+    config_file, overrides = variant_config(config, out)
+    args, env = ["--config_file", str(config_file), "--main_process_port", str(free_port()),
                  "--mixed_precision", mixed_precision], {}
-    copy = deepspeed_json_in(config, mixed_precision, out)
+    copy = deepspeed_json_in(config, mixed_precision, out, overrides)
     if copy:
         args += ["--deepspeed_config_file", str(copy)]
     if cfg.get("num_processes", 1) > 1:
@@ -291,6 +453,9 @@ def measure(name, repeat, cmd, env, out, threads):
             "data_fraction": timing["data_fraction"], "optimizer_in_backward": timing["optimizer_in_backward"],
             "peak_memory_mb_per_rank": summary["peak_memory_mb_per_rank"],
             "peak_memory_kind": summary["peak_memory_kind"],
+            # MFU of the steady state: the summary's is over the whole run, start-up included
+            "mfu": summary["mfu"] * timing[unit] / summary[unit] if summary.get("mfu") and unit in summary
+            else summary.get("mfu"), "fsdp_units": summary.get("fsdp_units"),
             "metrics": read_jsonl(run_dir / "metrics.jsonl"), "evals": read_jsonl(run_dir / "eval.jsonl"),
             "final_accuracy": summary.get("test_accuracy", summary.get("val_accuracy")),
             "final_loss": summary.get("final_loss", summary.get("val_loss"))}
@@ -321,6 +486,7 @@ def aggregate(results, target_loss, target_accuracy):
             **{key: med(key) for key in ("throughput", "startup_s", "step_ms", "data_ms", "forward_backward_ms",
                                          "optimizer_ms", "other_ms", "data_fraction")},
             "optimizer_in_backward": good[0]["optimizer_in_backward"],
+            "mfu": med("mfu") if good[0].get("mfu") is not None else None, "fsdp_units": good[0].get("fsdp_units"),
             "peak_memory_mb_per_rank": [statistics.median(col)
                                         for col in zip(*(r["peak_memory_mb_per_rank"] for r in good))],
             "peak_memory_kind": good[0]["peak_memory_kind"],
@@ -479,6 +645,8 @@ def write_chart(path, report):
 
 def main():
     args = parse_args()
+    if args.gpu_table:
+        return gpu_table(args)
     import torch
     on_gpu = torch.cuda.is_available()
     processes = args.num_processes or (torch.cuda.device_count() if on_gpu else 2)

@@ -39,12 +39,13 @@ import math
 import os
 import sys
 import sysconfig
+from datetime import timedelta
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast, set_seed
 from torch.utils.data import DataLoader
 
 from runkit import Run, add_run_args
@@ -59,7 +60,7 @@ VOCAB, SEPARATOR = 256, 0  # bytes; a 0 byte between documents
 # Flags a resumed run may change: they act after training or only on what is reported.
 AFTER_TRAINING = {"prompt": "the sample at the end", "sample_tokens": "the sample at the end",
                   "temperature": "the sample at the end", "top_k": "the sample at the end",
-                  "peak_tflops": "MFU's denominator"}
+                  "peak_tflops": "MFU's denominator", "timeout": "how long a collective may wait"}
 
 
 def parse_args(argv=None):
@@ -88,6 +89,10 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes")
     p.add_argument("--seed", type=int, default=1337, help="weights and shuffling")
+    # NCCL's default is 10 minutes, while the main process tokenises alone and the others wait in a barrier.
+    p.add_argument("--timeout", type=int, default=1800,
+                   help="seconds a collective waits for a missing rank (the others wait while the main process "
+                        "tokenises) before the run fails")
     add_run_args(p, "gpt", log_every=10)
     return p.parse_args(argv)
 
@@ -227,7 +232,9 @@ def main(argv=None):
     run = Run("gpt", args, unit="tokens", may_change=AFTER_TRAINING)  # first: a stop may come during start-up
     accelerator = Accelerator(  # accelerate
         gradient_accumulation_steps=args.grad_accum,
-        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
+        # non_blocking with pinned batches: the copy to the GPU is queued, the host does not wait for the GPU
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, non_blocking=True))
     run.setup(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum, max_grad_norm=args.max_grad_norm)
     set_seed(args.seed)
     world = accelerator.num_processes
@@ -235,11 +242,13 @@ def main(argv=None):
     block_size = args.block_size or block_size
     train_set, val_set, source = load_blocks(args, accelerator, run, block_size)
     micro = args.batch_size // args.grad_accum
-    train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True)
+    pin = accelerator.device.type == "cuda"
+    train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True, pin_memory=pin)
     # Exactly the blocks evaluated, read to the end: a loader left part-read stays accelerate's active one,
     # and its end-of-data flag would then decide when gradients sync (every micro-batch, with --grad-accum).
     evaluated = torch.utils.data.Subset(val_set, range(min(len(val_set), args.eval_batches * args.batch_size)))
-    val_loader = DataLoader(evaluated, batch_size=micro)  # accelerate fills a short last batch: shapes stay static
+    # accelerate fills a short last batch: shapes stay static
+    val_loader = DataLoader(evaluated, batch_size=micro, pin_memory=pin)
     with run.sharded_init():  # ZeRO-3 (zero3_init_flag) and FSDP: never built whole on every process
         model = GPT(layers, heads, d, block_size, args.dropout)
     # Counted from the shapes: under zero.Init the parameters are already partitioned here.

@@ -120,7 +120,9 @@ class TensorBatches(TensorDataset):
     no per-sample __getitem__ and collate. The tensors may live on the GPU, where indexing them is cheapest."""
 
     def __getitems__(self, indices):
-        index = torch.as_tensor(indices, device=self.tensors[0].device)
+        device, index = self.tensors[0].device, torch.as_tensor(indices)
+        if device.type == "cuda":  # from pinned memory the copy is queued; from pageable memory the host waits for it
+            index = index.pin_memory().to(device, non_blocking=True)
         return tuple(t[index] for t in self.tensors)
 
 

@@ -14,7 +14,7 @@ workers that persist across epochs. Images of 64 pixels or less get the usual CI
 (3x3 first convolution, no max-pool): ImageNet's stride-4 stem would leave a 1x1 map.
 --arch picks any torchvision ResNet; by default resnet18 for CIFAR-size images (up to
 64 px) and resnet50 for ImageNet-size ones. On a GPU the model and the inputs are
-channels_last, and the configs' bf16 applies.
+channels_last (under FSDP the inputs only), and the configs' bf16 applies.
 
 Data-bound or compute-bound? Every progress line splits the time per step into
 "data" (the training loop blocked, waiting for the loader's next batch), forward+backward
@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
@@ -140,7 +140,8 @@ def main(argv=None):
     run = Run("resnet", args, unit="images",
               may_change={"data_dir": "the data facts guard the content", "num_workers": "only how fast"})
     accelerator = Accelerator(  # accelerate
-        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
+        # non_blocking with the pinned batches below: the copy to the GPU is queued, the host does not wait for it
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, non_blocking=True))
     run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm,
               refuse_offload=("ResNet trains with SGD and momentum, and fits on a GPU without offload",
                               "deepspeed_zero2.yaml"))
@@ -158,7 +159,10 @@ def main(argv=None):
     except ValueError:
         run.fail(f"--arch {args.arch}: not a torchvision ResNet; try resnet18, resnet50 or wide_resnet50_2")
     memory_format = torch.channels_last if on_gpu else torch.contiguous_format  # tensor-core friendly layout
-    model = model.to(memory_format=memory_format)
+    # FSDP2 refuses non-contiguous parameters, and a channels_last 3x3 weight is one: under FSDP only the inputs
+    # are channels_last.
+    if accelerator.distributed_type != DistributedType.FSDP:
+        model = model.to(memory_format=memory_format)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
                                 weight_decay=args.weight_decay)
     steps_per_epoch = len(train_loader)

@@ -187,3 +187,48 @@ def test_benchmark_refuses_an_unknown_config(tmp_path):
     out = subprocess.run([sys.executable, "bench/benchmark.py", "--configs", "nope.yaml", "--out", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no such config in accelerate_configs/: nope.yaml" in out.stderr
+
+
+def test_gpu_table_refuses_a_machine_without_gpu(tmp_path):
+    """--gpu-table measures GPUs: here it says so, exits 2 and writes nothing."""
+    code, output = run_command([sys.executable, "bench/benchmark.py", "--gpu-table", "--out", str(tmp_path / "r")],
+                               env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert code == 2, output[-3000:]
+    assert "error: --gpu-table measures GPUs and this machine has no CUDA device" in output
+    assert not (tmp_path / "r").exists()
+
+
+def test_gpu_table_plans_every_comparison(tmp_path, monkeypatch):
+    """Each part of the GPU table is one benchmark run whose arguments the benchmark accepts; the two variants
+    differ from their shipped config in the one key they name, and nothing else."""
+    import yaml
+    sys.path.insert(0, str(REPO / "bench"))
+    import benchmark
+    runs = dict(benchmark.gpu_table_runs(tmp_path, 756.0, tmp_path / "images"))
+    assert list(runs) == ["mnist", "gpt", "resnet", "zero2-overlap", "fsdp-units"]
+    configs = {}
+    for folder, cmd in runs.items():
+        monkeypatch.setattr(sys, "argv", cmd[1:])
+        args = benchmark.parse_args()  # exits on an unknown config, variant or flag
+        assert args.mixed_precision == "bf16" and Path(args.out) == tmp_path / folder
+        configs[folder] = args.configs
+        if args.recipe == "gpt":
+            assert "--peak-tflops 756" in args.recipe_args
+    assert configs["mnist"] == configs["gpt"] == configs["resnet"] == ["1gpu.yaml", "1gpu_compile.yaml"]
+    assert configs["zero2-overlap"] == ["deepspeed_zero2.yaml", "deepspeed_zero2.yaml+no-overlap"]
+    assert configs["fsdp-units"] == ["fsdp.yaml", "fsdp.yaml+one-unit"]
+    # ZeRO-2 without overlap: the JSON copy differs in overlap_comm (and the dtype the benchmark always sets)
+    launch_args, _ = benchmark.config_launch("deepspeed_zero2.yaml+no-overlap", 2, True, "bf16", tmp_path)
+    shipped = json.loads((REPO / "accelerate_configs" / "deepspeed_zero2.json").read_text())
+    copy = json.loads(Path(launch_args[launch_args.index("--deepspeed_config_file") + 1]).read_text())
+    assert copy["zero_optimization"].pop("overlap_comm") is False and shipped["zero_optimization"].pop("overlap_comm")
+    assert {k: v for k, v in copy.items() if k not in ("bf16", "fp16")} == \
+        {k: v for k, v in shipped.items() if k not in ("bf16", "fp16")}
+    # FSDP as one unit: the YAML copy differs in the wrap policy only
+    launch_args, _ = benchmark.config_launch("fsdp.yaml+one-unit", 2, True, "bf16", tmp_path)
+    copy = yaml.safe_load(Path(launch_args[launch_args.index("--config_file") + 1]).read_text())
+    shipped = yaml.safe_load((REPO / "accelerate_configs" / "fsdp.yaml").read_text())
+    assert copy["fsdp_config"].pop("fsdp_auto_wrap_policy") == "NO_WRAP"
+    assert shipped["fsdp_config"].pop("fsdp_auto_wrap_policy") == "TRANSFORMER_BASED_WRAP" and copy == shipped
+    assert benchmark.peak_tflops_for("NVIDIA H100 PCIe") == 756 and benchmark.peak_tflops_for("NVIDIA H100 80GB HBM3") \
+        == 989

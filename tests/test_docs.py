@@ -32,7 +32,8 @@ SUMMARY_KEYS = [
     "timing", "data_ms", "forward_backward_ms", "optimizer_ms", "other_ms", "optimizer_in_backward",
     "micro_batches", "first_step_at", "wall_time_s",
     # memory and parameters
-    "peak_memory_mb", "peak_memory_mb_per_rank", "peak_memory_kind", "param_elements",
+    "peak_memory_mb", "peak_memory_mb_per_rank", "peak_memory_kind", "peak_memory_reserved_mb_per_rank",
+    "param_elements",
     "param_elements_per_rank", "param_checksum_per_rank", "fsdp_units", "model_init",
     "host_peak_gb_at_start_per_rank", "device_peak_gb_at_start_per_rank",
     # checkpoints

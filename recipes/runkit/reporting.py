@@ -150,12 +150,15 @@ def held_parameters(model):
 
 def footprint(accelerator, model):
     """Collective: peak memory and the parameters every rank holds, for the summary."""
-    world = accelerator.num_processes
-    per_rank = accelerator.gather(torch.tensor([peak_memory_mb(accelerator), *held_parameters(model)],
-                                               dtype=torch.float64, device=accelerator.device)).view(world, 3)
+    world, cuda = accelerator.num_processes, accelerator.device.type == "cuda"
+    # What the caching allocator held at its peak (fragmentation included): what must fit on the GPU.
+    reserved = torch.cuda.max_memory_reserved(accelerator.device) / 2**20 if cuda else -1
+    per_rank = accelerator.gather(torch.tensor([peak_memory_mb(accelerator), *held_parameters(model), reserved],
+                                               dtype=torch.float64, device=accelerator.device)).view(world, 4)
     return {"peak_memory_mb": per_rank[:, 0].max().item(),
             "peak_memory_mb_per_rank": per_rank[:, 0].tolist(),
-            "peak_memory_kind": "cuda_allocated" if accelerator.device.type == "cuda" else "cpu_max_rss",
+            "peak_memory_kind": "cuda_allocated" if cuda else "cpu_max_rss",
+            "peak_memory_reserved_mb_per_rank": per_rank[:, 3].tolist() if cuda else None,
             "param_elements_per_rank": [int(n) for n in per_rank[:, 1].tolist()],
             "param_checksum_per_rank": per_rank[:, 2].tolist(),  # equal on every rank unless sharded
             "fsdp_units": fsdp_units(model)}

@@ -41,8 +41,10 @@ from .engines import (
     cast_buffers_for_half_precision,
     deepspeed_clip_like,
     engine,
+    exported_state_dict,
     fsdp_reduce_in_fp32,
     gradient_sync,
+    quiet_deprecated_collectives,
     run_label,
 )
 from .exits import fail, main_print, teardown
@@ -128,6 +130,7 @@ class Run:
         self.accelerator, self.print = accelerator, main_print(accelerator)
         self.batch_size, self.grad_accum, self.max_grad_norm = batch_size, grad_accum, max_grad_norm
         check_launch(accelerator)
+        quiet_deprecated_collectives()
         if refuse_offload:
             refuse_optimizer_offload(accelerator, *refuse_offload)
         check_batch(accelerator, batch_size, grad_accum, eval_batch_size)
@@ -367,7 +370,7 @@ class Run:
         self.stopper.ignore_from_now()
         if self._evaluation_due("end"):
             self._evaluate("end")
-        state_dict = acc.get_state_dict(model)  # collective: gathers ZeRO-3 / FSDP shards
+        state_dict = exported_state_dict(acc, model)  # collective: gathers ZeRO-3 / FSDP shards, DeepSpeed's masters
         shards = footprint(acc, model)
         timing = self.timer.timing(self.samples_per_micro, self.unit)
         if acc.is_main_process:
