@@ -38,11 +38,12 @@ import math
 import os
 import re
 import sys
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast, set_seed
 from torch.utils.data import DataLoader
 
 from runkit import Run, add_run_args
@@ -52,7 +53,8 @@ IGNORE = -100  # label of a position that is not in the loss (cross_entropy's ig
 
 # Flags a resumed run may change: they act after training or only on what is reported.
 AFTER_TRAINING = {"sample_tokens": "the answer at the end", "save_dtype": "the exported model",
-                  "merge_lora": "the exported model", "peak_tflops": "MFU's denominator"}
+                  "merge_lora": "the exported model", "peak_tflops": "MFU's denominator",
+                  "timeout": "how long a collective may wait"}
 
 
 def parse_args(argv=None):
@@ -100,6 +102,10 @@ def parse_args(argv=None):
     p.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="dtype of the exported model")
     p.add_argument("--seed", type=int, default=1234, help="shuffling and the held-out split")
+    # NCCL's default is 10 minutes, while the main process tokenises alone and the others wait in a barrier.
+    p.add_argument("--timeout", type=int, default=1800,
+                   help="seconds a collective waits for a missing rank (the others wait while the main process "
+                        "tokenises) before the run fails")
     add_run_args(p, "finetune_lm", log_every=10)
     return p.parse_args(argv)
 
@@ -414,7 +420,9 @@ def main(argv=None):
     # Before from_pretrained: transformers reads ZeRO-3's settings from the Accelerator to load partitioned.
     accelerator = Accelerator(  # accelerate
         gradient_accumulation_steps=args.grad_accum,
-        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
+        # non_blocking with pinned batches: the copy to the GPU is queued, the host does not wait for the GPU
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, non_blocking=True))
     run.setup(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum, max_grad_norm=args.max_grad_norm)
     set_seed(args.seed)
     if error:
@@ -443,11 +451,13 @@ def main(argv=None):
         model = with_lora(model, args, run)
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     micro = args.batch_size // args.grad_accum
-    train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True)
+    pin = accelerator.device.type == "cuda"
+    train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True, pin_memory=pin)
     # Exactly the examples evaluated, read to the end: a loader left part-read stays accelerate's active one,
     # and its end-of-data flag would then decide when gradients sync (every micro-batch, with --grad-accum).
     evaluated = val_set.select(range(min(len(val_set), args.eval_batches * args.batch_size)))
-    val_loader = DataLoader(evaluated, batch_size=micro)  # accelerate fills a short last batch: shapes stay static
+    # accelerate fills a short last batch: shapes stay static
+    val_loader = DataLoader(evaluated, batch_size=micro, pin_memory=pin)
     matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]  # ZeRO-3: the full shape
     decay, flat = ([p for p, m in zip(trainable, matrix) if m == want] for want in (True, False))
     groups = [{"params": decay, "weight_decay": args.weight_decay},
