@@ -217,8 +217,10 @@ def test_recipe_is_one_readable_file(recipe):
 
 
 def training_loop_body(source):
-    """The statements of the innermost loop over `batches` (the micro-batch loop)."""
-    loops = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.For) and ast.unparse(n.iter) == "batches"]
+    """The statements of the innermost loop over `batches` (the micro-batch loop; finetune_lm's pairs each
+    micro-batch with its optimizer step's token count)."""
+    loops = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.For)
+             and "batches" in {m.id for m in ast.walk(n.iter) if isinstance(m, ast.Name)}]
     assert len(loops) == 1, "one micro-batch loop"
     return loops[0]
 
