@@ -4,10 +4,14 @@
         --model meta-llama/Llama-3.2-1B --data-files chat.jsonl --block-size 1024 --peak-tflops 989
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/finetune_lm.py \\
         --model ./my-llama-8b --data-files 'books/*.txt' --gradient-checkpointing
+    accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/finetune_lm.py \\
+        --model Qwen/Qwen2.5-7B-Instruct --data-files chat.jsonl --lora-r 16 --lr 2e-4 --merge-lora   # LoRA
     python tests/tiny_hf.py /tmp/tiny && python recipes/finetune_lm.py --model /tmp/tiny/model \\
         --data-files /tmp/tiny/pairs.jsonl --block-size 32 --max-steps 300 --batch-size 16 --lr 3e-3   # CPU
     python recipes/finetune_lm.py --model /tmp/tiny/model --data-files /tmp/tiny/chat.jsonl \\
         --max-steps 300 --batch-size 16 --lr 3e-3   # CPU, chat
+    python recipes/finetune_lm.py --model runs/finetune_lm/1proc/model --data-files /tmp/tiny/chat.jsonl \\
+        --lora-r 16 --merge-lora --max-steps 200 --batch-size 16 --lr 1e-2 --output-dir runs/chat-lora   # CPU
 
 --model: a hub id or a local save_pretrained directory. The Accelerator exists before from_pretrained:
 under ZeRO-3 with zero3_init_flag (deepspeed_zero3*.yaml) transformers loads the model partitioned;
@@ -23,12 +27,17 @@ most 1024); labels are set by position, not token id: padding never counts. The 
 summary (cut_examples, dropped_examples) count the examples whose last response --block-size cut, and
 those dropped with nothing left to learn. The result, OUTPUT_DIR/model, is save_pretrained (safetensors)
 with the tokenizer, gathered from every rank. tokens/s counts every position (padding too); MFU: --peak-tflops.
+The loss is the mean over every loss token of the whole optimizer step (all micro-batches, all ranks): 1
+process, --grad-accum and N processes agree. LoRA (--lora-r, through PEFT): the base frozen in the dtype it
+is loaded in (the config's compute dtype), fp32 adapters alone in the optimizer, OUTPUT_DIR/adapter in
+PEFT's format, --merge-lora also OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2.
 
 Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
 fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3
-or FSDP2 with it, 14B only under ZeRO-3 with CPU offload.
+or FSDP2 with it, 14B only under ZeRO-3 with CPU offload. LoRA r 16: 8B under DDP, ZeRO-3 or FSDP2,
+14B and 32B with --gradient-checkpointing.
 
-Result: the CPU command takes the response loss from 5.74 to 0.39, measured 2026-11-23, 2-core CPU (docs/recipes.md).
+Result: loss 5.74 to 0.39 (first CPU command), LoRA 3.49 to 1.38 (last), measured 2026-11-24, CPU (docs/recipes.md).
 """
 
 import argparse
