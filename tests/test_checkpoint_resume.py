@@ -109,6 +109,46 @@ def test_world_size_change_where_it_can_work(launch, reference):
         torch.testing.assert_close(a[name], b[name], atol=5e-5, rtol=1e-4, msg=name)
 
 
+def test_fsdp_resumes_on_another_world_size_and_grad_accum(shelf, shelf_data, tmp_path):
+    """FSDP2 on the gpt recipe in fp32 (docs/checkpoints.md, "Another number of GPUs"). The 2-process shelf
+    run's step 4 resumed by 1 process with --grad-accum 2 (the same global batch of 16 in two micro-batches of
+    8); that run's step 8 resumed by 2 processes with --grad-accum 1. Both follow the uninterrupted 2-process
+    run: same steps, epochs and learning rates exactly, losses to 1e-4 relative, the tolerance test_gpt.py
+    holds 1 process against 2 to (only the order of the sums differs: across ranks, across micro-batches;
+    measured 1e-7 here)."""
+    ref = shelf("gpt", "fsdp.yaml")  # the uninterrupted run; it writes the checkpoints resumed below
+    one = shelf("gpt", "fsdp.yaml", "--grad-accum", "2", "--checkpoint-dir", str(tmp_path / "one"), "--resume",
+                str(shelf_data / "ckpt-gpt-fsdp.yaml" / "step-00000004"), launch_args=(*FP32, "--num_processes", "1"))
+    two = shelf("gpt", "fsdp.yaml", "--checkpoint-dir", str(tmp_path / "two"), "--resume",
+                str(tmp_path / "one" / "step-00000008"))
+    reference_steps = {r["step"]: r for r in ref.metrics}
+    for run, start, world, grad_accum, changes in (
+            (one, 4, 1, 2, ["ranks [1] no longer exist: their RNG state and buffers are dropped",
+                            "--grad-accum 1 -> 2: the same global batch in 2 micro-batch(es) per process"]),
+            (two, 8, 2, 1, ["ranks [1] are new: they take rank 0's RNG state and buffers",
+                            "--grad-accum 2 -> 1: the same global batch in 1 micro-batch(es) per process"])):
+        s, came_from = run.summary, 3 - world
+        assert (s["world_size"], s["resumed_from_step"], s["resumed_from_world_size"]) == (world, start, came_from)
+        assert s["resume_changes"] == [f"world size {came_from} -> {world}: torch.distributed.checkpoint reshards "
+                                       f"the model and optimizer by parameter name onto the new ranks", *changes]
+        resumed_from = tmp_path / "one" if start == 8 else shelf_data / "ckpt-gpt-fsdp.yaml"
+        assert f"resumed from {resumed_from / f'step-{start:08d}'} (step {start}, written by {came_from} processes" \
+            in run.output, run.output[-3000:]
+        assert f"resumed on another shape: {changes[0]}" in run.output
+        assert [r["step"] for r in run.metrics] == list(range(start + 1, 13))
+        for r in run.metrics:
+            expected = reference_steps[r["step"]]
+            assert (r["lr"], r["epoch"]) == (expected["lr"], expected["epoch"]), r["step"]
+            assert r["loss"] == pytest.approx(expected["loss"], rel=1e-4), r["step"]
+        if grad_accum == 1:  # gpt's --eval-batches counts micro-batches x processes: half the text with 2
+            assert s["val_loss"] == pytest.approx(ref.summary["val_loss"], rel=1e-4)
+        for name, weight in ref.params().items():
+            torch.testing.assert_close(run.params()[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+    # The checkpoint the 1-process run wrote records how it split the batch, for the next resume.
+    layout = json.loads((tmp_path / "one" / "step-00000008" / "checkpoint.json").read_text())["layout"]
+    assert layout == {"family": "fsdp", "zero_stage": None, "world_size": 1, "grad_accum": 2}
+
+
 # The file replaced by a pickle that would run code, per engine: accelerate's optimizer state (DDP), one
 # rank's ZeRO optimizer shard, one rank's ZeRO-3 model shard, and the pickled index of FSDP's sharded
 # checkpoint (torch.distributed.checkpoint's .metadata).
@@ -170,6 +210,7 @@ def test_resume_refusals(launch, reference, tmp_path):
     run = launch("deepspeed_zero2.yaml", *TRAINING, "--resume", str(zero2_ckpt / MID_EPOCH),
                  launch_args=(*FP32, "--num_processes", "1"), check=False)
     assert run.returncode == 1 and "relaunch with 2 processes" in run.output, run.output[-2000:]
+    assert "resharding them through DeepSpeed's universal checkpoint is not built yet" in run.output
     # A truncated ZeRO shard (one rank's optimizer state): refused by name, nothing loaded.
     work = tmp_path / "zero2-truncated"
     shutil.copytree(zero2_ckpt / MID_EPOCH, work)

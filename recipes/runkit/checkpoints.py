@@ -27,12 +27,15 @@ deletes only checkpoints this run family wrote, older than the one just saved, a
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import stat
 import sys
 import time
 
+import numpy as np
+import torch
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException  # FSDP's sharded saves and loads raise it
@@ -51,7 +54,7 @@ from .integrity import (
     read_manifest,
     weights_only_loading,
 )
-from .resume_rules import incompatibility, layout
+from .resume_rules import incompatibility, layout, reshaped
 from .stopping import add_stop_args
 
 NAME = re.compile(r"^step-(\d{8})$")
@@ -101,11 +104,14 @@ def lock_directory(accelerator, directory):
 
 
 class Checkpointer:
-    def __init__(self, accelerator, directory, keep_last, must_match, model, lock):
+    def __init__(self, accelerator, directory, keep_last, must_match, model, lock, grad_accum=1):
         """must_match: the settings a resumed run must share (resume_rules.settings); model: the prepared model,
-        whose per-rank buffers FSDP needs kept; lock: lock_directory()'s, taken at start-up."""
+        whose per-rank buffers FSDP needs kept; lock: lock_directory()'s, taken at start-up; grad_accum: this
+        run's accumulation steps, recorded in the layout (a resume may change it: resume_rules.RESHAPE)."""
         self.accelerator, self.directory, self.keep_last = accelerator, directory, keep_last
         self.must_match, self.model, self.lock = must_match, model, lock
+        self.layout = layout(accelerator, grad_accum)
+        self.reshaped = []  # what the resume changed (world size, --grad-accum) and the rules that applied
         self.last_saved_step = None
         self.reported = set()  # step-* entries rotation left alone, each reported once
         self.times = {"saves": 0, "save_write_s": 0.0, "save_checksum_s": 0.0, "resume_verify_s": None,
@@ -178,7 +184,7 @@ class Checkpointer:
                     files.update(part)
                 unhashed = sorted(set(seen) - set(files))  # seen only by this rank (none on shared storage)
                 files.update(file_table(tmp, unhashed))
-                manifest = {"step": step, "layout": layout(acc), "must_match": self.must_match,
+                manifest = {"step": step, "layout": self.layout, "must_match": self.must_match,
                             "train_state": train_state, "files": files}
                 self._still_ours(tmp, made, final)
                 fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -221,7 +227,7 @@ class Checkpointer:
         wrote beyond --keep-last. Only real directories with a manifest read_manifest accepts, of this run's
         layout family and an older step, count; a step-* link is unlinked, never followed; anything else that
         only looks like a checkpoint is left alone and reported once."""
-        ours, strange, now = [], [], layout(self.accelerator)
+        ours, strange, now = [], [], self.layout
         for name in sorted(os.listdir(self.directory)):
             m, path = NAME.match(name), os.path.join(self.directory, name)
             if not m or path == final:
@@ -295,6 +301,8 @@ class Checkpointer:
         try:
             with weights_only_loading():  # again while loading: a file swapped since the check runs no code either
                 acc.load_state(path)
+                if acc.process_index >= manifest["layout"]["world_size"]:
+                    _take_rng_state(os.path.join(path, "random_states_0.pkl"))  # a new rank (PER_RANK)
             self._load_rank_buffers(path)
         except (UnsafeCheckpointFile, CheckpointException) as exc:  # its exit makes the launcher stop the others
             print(f"error: checkpoint {path} cannot be loaded: {(str(exc).splitlines() or [''])[0][:300]}. Remove "
@@ -302,11 +310,14 @@ class Checkpointer:
             sys.exit(2)
         self.times["resume_load_s"] = time.perf_counter() - started
         self.last_saved_step = manifest["step"]
+        self.reshaped = reshaped(manifest, self.layout)
         if acc.is_main_process:
             print(f"resumed from {path} (step {manifest['step']}, written by {manifest['layout']['world_size']} "
                   f"processes; checksums and formats checked by {acc.num_processes} rank(s) in "
                   f"{self.times['resume_verify_s']:.1f} s, loaded in {self.times['resume_load_s']:.1f} s)",
                   flush=True)
+            for note in self.reshaped:
+                print(f"resumed on another shape: {note}", flush=True)
         return manifest["train_state"]
 
     # FSDP's sharded checkpoint keeps one copy of a buffer, but BatchNorm statistics differ per rank: keep each.
@@ -316,7 +327,10 @@ class Checkpointer:
             save_file(buffers, os.path.join(root, f"rank-{self.accelerator.process_index}.buffers.safetensors"))
 
     def _load_rank_buffers(self, root):
+        """This rank's buffers; a rank the checkpoint does not have (written by fewer processes) takes rank 0's."""
         path = os.path.join(root, f"rank-{self.accelerator.process_index}.buffers.safetensors")
+        if not os.path.exists(path):
+            path = os.path.join(root, "rank-0.buffers.safetensors")
         if self.accelerator.distributed_type == DistributedType.FSDP and os.path.exists(path):
             saved = load_file(path)
             for name, b in ((n, b) for n, b in self.model.named_buffers() if n in saved):
@@ -324,7 +338,7 @@ class Checkpointer:
 
     def _check_compatible(self, path, manifest):
         """Collective (every rank has the same manifest): refuse a checkpoint this run cannot continue."""
-        problem = incompatibility(manifest, layout(self.accelerator), self.must_match)
+        problem = incompatibility(manifest, self.layout, self.must_match)
         if problem:
             fail(self.accelerator, f"cannot resume from {path}: {problem}. Use the original settings, or start "
                                    f"fresh with another --checkpoint-dir.")
@@ -367,6 +381,17 @@ class Checkpointer:
         """The run is over: let the next run write here."""
         if self.lock:
             self.lock.release()
+
+
+def _take_rng_state(path):
+    """Set this process's RNG states from another rank's accelerate file, as load_state sets its own (under
+    weights_only_loading: the file runs no code)."""
+    states = torch.load(path)
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"][:torch.cuda.device_count()])
 
 
 def _identity(path):
