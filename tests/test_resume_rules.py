@@ -14,6 +14,7 @@ from runkit.resume_rules import (  # noqa: E402
     RESHAPE,
     WORLD_SIZE_CHANGE,
     incompatibility,
+    kind,
     reshaped,
     reshaped_window,
 )
@@ -30,18 +31,19 @@ def now(family="fsdp", world=1, grad_accum=2, stage=None):
     return {"family": family, "zero_stage": stage, "world_size": world, "grad_accum": grad_accum}
 
 
-@pytest.mark.parametrize("family", ["full", "fsdp"])
-def test_world_size_and_grad_accum_may_change_where_the_state_reshards(family):
-    assert incompatibility(manifest(family), now(family), {**SETTINGS, "grad_accum": 2}) is None
-    assert reshaped(manifest(family), now(family)) == [
-        f"world size 2 -> 1: {WORLD_SIZE_CHANGE[family]}",
+@pytest.mark.parametrize("family,stage", [("full", None), ("fsdp", None), ("deepspeed", 2)])
+def test_world_size_and_grad_accum_may_change_where_the_state_reshards(family, stage):
+    saved, here = manifest(family, stage=stage), now(family, stage=stage)
+    assert incompatibility(saved, here, {**SETTINGS, "grad_accum": 2}) is None
+    assert reshaped(saved, here) == [
+        f"world size 2 -> 1: {WORLD_SIZE_CHANGE[kind(saved['layout'])]}",
         "ranks [1] no longer exist: their RNG state" + (" and buffers are" if family == "fsdp" else " is")
         + " dropped",
         "--grad-accum 1 -> 2: the same global batch in 2 micro-batch(es) per process"]
-    grown = manifest(family, world=1, grad_accum=2)
-    assert reshaped(grown, now(family, world=4, grad_accum=1))[1] == (
+    grown = manifest(family, world=1, grad_accum=2, stage=stage)
+    assert reshaped(grown, now(family, world=4, grad_accum=1, stage=stage))[1] == (
         "ranks [1, 2, 3] are new: they take rank 0's RNG state" + (" and buffers" if family == "fsdp" else ""))
-    assert reshaped(manifest(family), now(family, world=2, grad_accum=1)) == []
+    assert reshaped(saved, now(family, world=2, grad_accum=1, stage=stage)) == []
 
 
 def test_the_global_batch_may_not_change():
@@ -49,13 +51,14 @@ def test_the_global_batch_may_not_change():
     assert problem == "these settings differ from the run that wrote it (saved, now): batch_size 16 vs 8"
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_on_another_world_size_is_one_message_with_the_way_out(stage):
+@pytest.mark.parametrize("stage,why", [(1, "ZeRO-1 through DeepSpeed's universal checkpoint is not tested yet"),
+                                       (3, "ZeRO-3 through DeepSpeed's universal checkpoint loads, then drifts")])
+def test_zero_on_another_world_size_is_one_message_with_the_way_out(stage, why):
     problem = incompatibility(manifest("deepspeed", stage=stage), now("deepspeed", stage=stage), SETTINGS)
     assert problem.startswith("deepspeed shards its state over the 2 processes that wrote it, and this run has 1; "
                               "relaunch with 2 processes (accelerate launch --num_processes 2; under Slurm, as "
                               "many GPUs as before)")
-    assert "universal checkpoint is not built yet" in problem
+    assert why in problem
     # The same world size with another --grad-accum is a change of RESHAPE alone.
     assert incompatibility(manifest("deepspeed", stage=stage), now("deepspeed", world=2, stage=stage),
                            {**SETTINGS, "grad_accum": 2}) is None
