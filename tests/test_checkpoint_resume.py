@@ -5,6 +5,7 @@ and at each epoch end, all kept. Resumed runs start from one of those checkpoint
 bit for bit where the reference ended, having seen the same samples on every rank.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -109,6 +110,99 @@ def test_world_size_change_where_it_can_work(launch, reference):
         torch.testing.assert_close(a[name], b[name], atol=5e-5, rtol=1e-4, msg=name)
 
 
+def assert_continues_on_another_shape(ref, run, resumed_from, start, came_from, how, changes):
+    """A run resumed from `resumed_from` (step `start`, written by `came_from` processes) on another world size
+    and --grad-accum follows the uninterrupted run `ref`: same steps, epochs and learning rates exactly, losses
+    to 1e-4 relative, the tolerance test_gpt.py holds 1 process against 2 to (only the order of the sums
+    differs: across ranks, across micro-batches; measured 1e-7 and less here), and says what changed."""
+    s, world = run.summary, 3 - came_from
+    assert (s["world_size"], s["resumed_from_step"], s["resumed_from_world_size"]) == (world, start, came_from)
+    assert s["resume_changes"] == [f"world size {came_from} -> {world}: {how}", *changes]
+    assert f"resumed from {resumed_from} (step {start}, written by {came_from} processes" in run.output, \
+        run.output[-3000:]
+    assert f"resumed on another shape: {changes[0]}" in run.output
+    assert [r["step"] for r in run.metrics] == list(range(start + 1, 13))
+    reference_steps = {r["step"]: r for r in ref.metrics}
+    for r in run.metrics:
+        expected = reference_steps[r["step"]]
+        assert (r["lr"], r["epoch"]) == (expected["lr"], expected["epoch"]), r["step"]
+        assert r["loss"] == pytest.approx(expected["loss"], rel=1e-4), r["step"]
+    if "--grad-accum 2 -> 1" in changes[-1]:  # gpt's --eval-batches counts micro-batches x processes
+        assert s["val_loss"] == pytest.approx(ref.summary["val_loss"], rel=1e-4)
+    for name, weight in ref.params().items():
+        torch.testing.assert_close(run.params()[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+
+
+SHRUNK = ["ranks [1] no longer exist: their RNG state{} dropped",
+          "--grad-accum 1 -> 2: the same global batch in 2 micro-batch(es) per process"]
+GROWN = ["ranks [1] are new: they take rank 0's RNG state{}",
+         "--grad-accum 2 -> 1: the same global batch in 1 micro-batch(es) per process"]
+
+
+def test_fsdp_resumes_on_another_world_size_and_grad_accum(shelf, shelf_data, tmp_path):
+    """FSDP2 on the gpt recipe in fp32 (docs/checkpoints.md, "Another number of GPUs"). The 2-process shelf
+    run's step 4 resumed by 1 process with --grad-accum 2 (the same global batch of 16 in two micro-batches of
+    8); that run's step 8 resumed by 2 processes with --grad-accum 1. Both follow the uninterrupted run."""
+    ref = shelf("gpt", "fsdp.yaml")  # the uninterrupted run; it writes the checkpoints resumed below
+    written_by_2 = shelf_data / "ckpt-gpt-fsdp.yaml" / "step-00000004"
+    one = shelf("gpt", "fsdp.yaml", "--grad-accum", "2", "--checkpoint-dir", str(tmp_path / "one"), "--resume",
+                str(written_by_2), launch_args=(*FP32, "--num_processes", "1"))
+    two = shelf("gpt", "fsdp.yaml", "--checkpoint-dir", str(tmp_path / "two"), "--resume",
+                str(tmp_path / "one" / "step-00000008"))
+    how = "torch.distributed.checkpoint reshards the model and optimizer by parameter name onto the new ranks"
+    assert_continues_on_another_shape(ref, one, written_by_2, 4, 2, how,
+                                      [SHRUNK[0].format(" and buffers are"), SHRUNK[1]])
+    assert_continues_on_another_shape(ref, two, tmp_path / "one" / "step-00000008", 8, 1, how,
+                                      [GROWN[0].format(" and buffers"), GROWN[1]])
+    # The checkpoint the 1-process run wrote records how it split the batch, for the next resume.
+    layout = json.loads((tmp_path / "one" / "step-00000008" / "checkpoint.json").read_text())["layout"]
+    assert layout == {"family": "fsdp", "zero_stage": None, "world_size": 1, "grad_accum": 2}
+
+
+def test_zero2_resumes_on_another_world_size_through_the_universal_checkpoint(shelf, shelf_data, tmp_path):
+    """ZeRO-2 on the gpt recipe in fp32, as the FSDP test above: 2 -> 1 with --grad-accum 2, then 1 -> 2. Each
+    resume converts its checkpoint once into universal/ (DeepSpeed's universal checkpoint, with a manifest of
+    its own); a converted file changed afterwards refuses the next resume by name, and nothing is loaded."""
+    ref = shelf("gpt", "deepspeed_zero2.yaml")
+    written_by_2 = tmp_path / "copy" / "step-00000004"  # a copy: the conversion writes into the checkpoint
+    shutil.copytree(shelf_data / "ckpt-gpt-deepspeed_zero2.yaml" / "step-00000004", written_by_2)
+    one = shelf("gpt", "deepspeed_zero2.yaml", "--grad-accum", "2", "--checkpoint-dir", str(tmp_path / "one"),
+                "--resume", str(written_by_2), launch_args=(*FP32, "--num_processes", "1"))
+    two = shelf("gpt", "deepspeed_zero2.yaml", "--checkpoint-dir", str(tmp_path / "two"), "--resume",
+                str(tmp_path / "one" / "step-00000008"))
+    how = ("DeepSpeed's universal checkpoint (ds_to_universal, converted once into the checkpoint's universal/ "
+           "part, then load_universal) repartitions the optimizer state onto the new ranks")
+    assert_continues_on_another_shape(ref, one, written_by_2, 4, 2, how, [SHRUNK[0].format(" is"), SHRUNK[1]])
+    assert_continues_on_another_shape(ref, two, tmp_path / "one" / "step-00000008", 8, 1, how,
+                                      [GROWN[0].format(""), GROWN[1]])
+    # The conversion: a derived part the checkpoint's own manifest does not list, whose manifest records every
+    # file it holds with checksums that match, and the checkpoint it came from.
+    derived = written_by_2 / "universal"
+    assert f"converted {written_by_2}'s ZeRO state to DeepSpeed's universal checkpoint in {derived}" in one.output
+    converted = json.loads((derived / "checkpoint.json").read_text())
+    on_disk = sorted(str(p.relative_to(derived)) for p in derived.rglob("*") if p.is_file())
+    assert sorted(converted["files"]) == [rel for rel in on_disk if rel != "checkpoint.json"]
+    assert "latest_universal" in converted["files"] and "pytorch_model/zero/wpe.weight/fp32.pt" in converted["files"]
+    for rel, want in converted["files"].items():
+        assert hashlib.sha256((derived / rel).read_bytes()).hexdigest() == want["sha256"], rel
+    own = json.loads((written_by_2 / "checkpoint.json").read_text())
+    assert converted["derived_from"] == hashlib.sha256(json.dumps(own["files"], sort_keys=True).encode()).hexdigest()
+    assert not [rel for rel in own["files"] if rel.startswith("universal")]
+    # One byte of a converted file flipped: the next resume on 1 process reuses the part, so it must refuse.
+    rel = "pytorch_model/zero/wpe.weight/fp32.pt"
+    data = bytearray((derived / rel).read_bytes())
+    data[-10] ^= 0xFF
+    (derived / rel).write_bytes(bytes(data))
+    run = shelf("gpt", "deepspeed_zero2.yaml", "--grad-accum", "2", "--checkpoint-dir", str(tmp_path / "three"),
+                "--resume", str(written_by_2), launch_args=(*FP32, "--num_processes", "1"), check=False)
+    assert run.returncode == 1, run.output[-3000:]
+    assert (f"error: checkpoint {written_by_2} cannot be used on 1 processes: its converted part {derived}: {rel} "
+            f"does not match its recorded size and checksum") in run.output, run.output[-3000:]
+    assert f"Remove {derived} to have it converted again" in run.output
+    assert "ZeRO state to DeepSpeed's universal checkpoint in" not in run.output  # reused, not converted again
+    assert "resumed from" not in run.output
+
+
 # The file replaced by a pickle that would run code, per engine: accelerate's optimizer state (DDP), one
 # rank's ZeRO optimizer shard, one rank's ZeRO-3 model shard, and the pickled index of FSDP's sharded
 # checkpoint (torch.distributed.checkpoint's .metadata).
@@ -166,10 +260,13 @@ def test_resume_refusals(launch, reference, tmp_path):
     # A DeepSpeed checkpoint in a plain run: different files.
     run = launch("cpu.yaml", *TRAINING, "--resume", str(zero2_ckpt / MID_EPOCH), launch_args=FP32, check=False)
     assert run.returncode == 1 and "written by deepspeed (ZeRO stage 2)" in run.output, run.output[-2000:]
-    # ZeRO's shards belong to the 2 processes that wrote them.
-    run = launch("deepspeed_zero2.yaml", *TRAINING, "--resume", str(zero2_ckpt / MID_EPOCH),
+    # ZeRO-3's shards belong to the 2 processes that wrote them (docs/checkpoints.md, "Another number of GPUs").
+    _, zero3_ckpt = reference("deepspeed_zero3.yaml")
+    run = launch("deepspeed_zero3.yaml", *TRAINING, "--resume", str(zero3_ckpt / MID_EPOCH),
                  launch_args=(*FP32, "--num_processes", "1"), check=False)
-    assert run.returncode == 1 and "relaunch with 2 processes" in run.output, run.output[-2000:]
+    assert run.returncode == 1 and "relaunch with 2 processes (accelerate launch --num_processes 2" in run.output, \
+        run.output[-2000:]
+    assert "ZeRO-3 through DeepSpeed's universal checkpoint loads, then drifts" in run.output
     # A truncated ZeRO shard (one rank's optimizer state): refused by name, nothing loaded.
     work = tmp_path / "zero2-truncated"
     shutil.copytree(zero2_ckpt / MID_EPOCH, work)

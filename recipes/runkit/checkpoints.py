@@ -12,6 +12,10 @@ Layout of --checkpoint-dir:
                         removed by the next run once it holds the lock (a link: unlinked)
     .lock               the run that writes here: host, pid, Slurm job id (one writer per directory)
 
+    step-00000120/universal/  derived, not saved: a ZeRO-2 checkpoint's state as DeepSpeed's universal
+                        checkpoint, made by the first resume on another world size, with a manifest of its
+                        own; the checkpoint's manifest does not list it (integrity.DERIVED)
+
 Every rank calls save() and resume(): accelerate's save_state/load_state are collective
 under DeepSpeed and FSDP (each rank writes and reads its own shards).
 A checkpoint becomes visible by one atomic rename, after every rank has finished writing
@@ -25,14 +29,19 @@ deletes only checkpoints this run family wrote, older than the one just saved, a
 """
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import stat
 import sys
 import time
 
+import numpy as np
+import torch
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException  # FSDP's sharded saves and loads raise it
@@ -40,6 +49,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # FSDP's shard
 from .dirlock import take
 from .exits import fail
 from .integrity import (
+    DERIVED,
+    DERIVING,
     MANIFEST,
     UnsafeCheckpointFile,
     check_files,
@@ -51,7 +62,7 @@ from .integrity import (
     read_manifest,
     weights_only_loading,
 )
-from .resume_rules import incompatibility, layout
+from .resume_rules import incompatibility, layout, reshaped
 from .stopping import add_stop_args
 
 NAME = re.compile(r"^step-(\d{8})$")
@@ -101,11 +112,14 @@ def lock_directory(accelerator, directory):
 
 
 class Checkpointer:
-    def __init__(self, accelerator, directory, keep_last, must_match, model, lock):
+    def __init__(self, accelerator, directory, keep_last, must_match, model, lock, grad_accum=1):
         """must_match: the settings a resumed run must share (resume_rules.settings); model: the prepared model,
-        whose per-rank buffers FSDP needs kept; lock: lock_directory()'s, taken at start-up."""
+        whose per-rank buffers FSDP needs kept; lock: lock_directory()'s, taken at start-up; grad_accum: this
+        run's accumulation steps, recorded in the layout (a resume may change it: resume_rules.RESHAPE)."""
         self.accelerator, self.directory, self.keep_last = accelerator, directory, keep_last
         self.must_match, self.model, self.lock = must_match, model, lock
+        self.layout = layout(accelerator, grad_accum)
+        self.reshaped = []  # what the resume changed (world size, --grad-accum) and the rules that applied
         self.last_saved_step = None
         self.reported = set()  # step-* entries rotation left alone, each reported once
         self.times = {"saves": 0, "save_write_s": 0.0, "save_checksum_s": 0.0, "resume_verify_s": None,
@@ -199,7 +213,7 @@ class Checkpointer:
                     files.update(part)
                 unhashed = sorted(set(seen) - set(files))  # seen only by this rank (none on shared storage)
                 files.update(file_table(tmp, unhashed))
-                manifest = {"step": step, "layout": layout(acc), "must_match": self.must_match,
+                manifest = {"step": step, "layout": self.layout, "must_match": self.must_match,
                             "train_state": train_state, "files": files}
                 self._still_ours(tmp, made, final)
                 fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -242,7 +256,7 @@ class Checkpointer:
         wrote beyond --keep-last. Only real directories with a manifest read_manifest accepts, of this run's
         layout family and an older step, count; a step-* link is unlinked, never followed; anything else that
         only looks like a checkpoint is left alone and reported once."""
-        ours, strange, now = [], [], layout(self.accelerator)
+        ours, strange, now = [], [], self.layout
         for name in sorted(os.listdir(self.directory)):
             m, path = NAME.match(name), os.path.join(self.directory, name)
             if not m or path == final:
@@ -314,8 +328,11 @@ class Checkpointer:
         acc = self.accelerator
         started = time.perf_counter()
         try:
-            with weights_only_loading():  # again while loading: a file swapped since the check runs no code either
-                acc.load_state(path, **self.load_kwargs)
+            universal = self._universal(path, manifest) if self._needs_universal(manifest) else None
+            with weights_only_loading(), _loading_universal(self.model, universal):  # again while loading: a
+                acc.load_state(path, **self.load_kwargs)  # file swapped since the check runs no code either
+                if acc.process_index >= manifest["layout"]["world_size"]:
+                    _take_rng_state(os.path.join(path, "random_states_0.pkl"))  # a new rank (PER_RANK)
             self._load_rank_buffers(path)
         except (UnsafeCheckpointFile, CheckpointException) as exc:  # its exit makes the launcher stop the others
             print(f"error: checkpoint {path} cannot be loaded: {(str(exc).splitlines() or [''])[0][:300]}. Remove "
@@ -323,12 +340,84 @@ class Checkpointer:
             sys.exit(2)
         self.times["resume_load_s"] = time.perf_counter() - started
         self.last_saved_step = manifest["step"]
+        self.reshaped = reshaped(manifest, self.layout)
         if acc.is_main_process:
             print(f"resumed from {path} (step {manifest['step']}, written by {manifest['layout']['world_size']} "
                   f"processes; checksums and formats checked by {acc.num_processes} rank(s) in "
                   f"{self.times['resume_verify_s']:.1f} s, loaded in {self.times['resume_load_s']:.1f} s)",
                   flush=True)
+            for note in self.reshaped:
+                print(f"resumed on another shape: {note}", flush=True)
         return manifest["train_state"]
+
+    def _needs_universal(self, manifest):
+        return manifest["layout"]["family"] == "deepspeed" and manifest["layout"]["world_size"] != self.layout[
+            "world_size"]
+
+    def _universal(self, path, manifest):
+        """Collective: the checkpoint's ZeRO state as DeepSpeed's universal checkpoint, which loads on any world
+        size: PATH/universal, converted once (by the main process, weights-only) and kept as a derived part with
+        its own manifest and checksums; every rank verifies its share of it like any checkpoint file."""
+        acc, derived = self.accelerator, os.path.join(path, DERIVED)
+        source = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+        error = None
+        if acc.is_main_process:
+            try:
+                if not os.path.lexists(derived):
+                    self._convert(path, manifest, source)
+            except (OSError, RuntimeError, AssertionError, ValueError, UnsafeCheckpointFile) as exc:
+                error = (f"checkpoint {path} cannot be used on {acc.num_processes} processes: converting its ZeRO "
+                         f"state to DeepSpeed's universal checkpoint failed ({type(exc).__name__}: "
+                         f"{(str(exc).splitlines() or [''])[0][:300]}). Relaunch with "
+                         f"{manifest['layout']['world_size']} processes.")
+        agree(acc, (None, error))
+        damage, unsafe = None, None
+        try:
+            if not stat.S_ISDIR(os.lstat(derived).st_mode):
+                raise ValueError("a symbolic link or a file, not a directory this code writes")
+            derived_manifest = read_manifest(derived)
+            if derived_manifest.get("derived_from") != source:
+                raise ValueError("it was converted from other files than this checkpoint's")
+            files = derived_manifest["files"]
+            mine = my_share(list(files), acc.process_index, acc.num_processes)
+            damage = check_files(derived, {rel: files[rel] for rel in mine})
+            unsafe = None if damage else check_loadable(derived, mine, files)
+        except (OSError, ValueError) as exc:
+            damage = str(exc)
+        damage, unsafe = self._all_ranks(damage, unsafe)
+        if damage or unsafe:
+            fail(acc, f"checkpoint {path} cannot be used on {acc.num_processes} processes: its converted part "
+                      f"{derived}: {damage or unsafe}. Remove {derived} to have it converted again, or relaunch "
+                      f"with {manifest['layout']['world_size']} processes.")
+        return derived
+
+    def _convert(self, path, manifest, source):
+        """Main process: DeepSpeed's ds_to_universal, into .tmp-universal, then published by one rename."""
+        from deepspeed.checkpoint import ds_to_universal
+
+        tmp, started = os.path.join(path, DERIVING), time.perf_counter()
+        remove_entry(tmp)  # a conversion a kill interrupted
+        os.mkdir(tmp, 0o700)
+        # Accelerate's DeepSpeed checkpoints lack the universal_checkpoint_info a Megatron client writes; for a
+        # plain data-parallel model its defaults (no tensor-parallel patterns) are right: inject_missing_state.
+        args = argparse.Namespace(input_folder=os.path.join(path, "pytorch_model"),
+                                  output_folder=os.path.join(tmp, "pytorch_model"), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        with weights_only_loading():  # ds_to_universal's own torch.load calls ask for weights_only=False
+            ds_to_universal.main(args)
+        files = file_table(tmp, listing(tmp))
+        derived = {"step": manifest["step"], "layout": manifest["layout"], "must_match": manifest["must_match"],
+                   "train_state": {}, "derived_from": source, "files": files}
+        fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
+            json.dump(derived, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, DERIVED))
+        fsync(path)
+        print(f"converted {path}'s ZeRO state to DeepSpeed's universal checkpoint in {os.path.join(path, DERIVED)} "
+              f"({len(files)} files, {time.perf_counter() - started:.1f} s): later resumes on another world size "
+              f"reuse it", flush=True)
 
     # FSDP's sharded checkpoint keeps one copy of a buffer, but BatchNorm statistics differ per rank: keep each.
     def _save_rank_buffers(self, root):
@@ -337,7 +426,10 @@ class Checkpointer:
             save_file(buffers, os.path.join(root, f"rank-{self.accelerator.process_index}.buffers.safetensors"))
 
     def _load_rank_buffers(self, root):
+        """This rank's buffers; a rank the checkpoint does not have (written by fewer processes) takes rank 0's."""
         path = os.path.join(root, f"rank-{self.accelerator.process_index}.buffers.safetensors")
+        if not os.path.exists(path):
+            path = os.path.join(root, "rank-0.buffers.safetensors")
         if self.accelerator.distributed_type == DistributedType.FSDP and os.path.exists(path):
             saved = load_file(path)
             for name, b in ((n, b) for n, b in self.model.named_buffers() if n in saved):
@@ -345,7 +437,7 @@ class Checkpointer:
 
     def _check_compatible(self, path, manifest):
         """Collective (every rank has the same manifest): refuse a checkpoint this run cannot continue."""
-        problem = incompatibility(manifest, layout(self.accelerator), self.must_match)
+        problem = incompatibility(manifest, self.layout, self.must_match)
         if problem:
             fail(self.accelerator, f"cannot resume from {path}: {problem}. Use the original settings, or start "
                                    f"fresh with another --checkpoint-dir.")
@@ -388,6 +480,34 @@ class Checkpointer:
         """The run is over: let the next run write here."""
         if self.lock:
             self.lock.release()
+
+
+@contextlib.contextmanager
+def _loading_universal(engine, root):
+    """While active (root given), accelerate's load_state reads the DeepSpeed engine's state from the universal
+    checkpoint under root instead of the checkpoint's own ZeRO files; the rest (scheduler, RNG) as usual."""
+    if root is None:
+        yield
+        return
+    own = engine.load_checkpoint
+    engine._config.load_universal_checkpoint = True
+    engine.load_checkpoint = lambda load_dir, tag=None, **kwargs: own(root, tag, **kwargs)
+    try:
+        yield
+    finally:
+        del engine.load_checkpoint
+        engine._config.load_universal_checkpoint = False
+
+
+def _take_rng_state(path):
+    """Set this process's RNG states from another rank's accelerate file, as load_state sets its own (under
+    weights_only_loading: the file runs no code)."""
+    states = torch.load(path)
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"][:torch.cuda.device_count()])
 
 
 def _identity(path):

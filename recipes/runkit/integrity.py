@@ -34,6 +34,9 @@ import zipfile
 import torch
 
 MANIFEST = "checkpoint.json"  # written last, by the main process: the checkpoint exists once it does
+# A checkpoint's derived part (checkpoints.py: DeepSpeed's universal checkpoint, made by a resume on another world
+# size), with a manifest of its own, and the conversion in progress; the checkpoint's own manifest lists neither.
+DERIVED, DERIVING = "universal", ".tmp-universal"
 
 # A rank number in a file name: DeepSpeed, torch.distributed.checkpoint, accelerate, ours.
 _RANK_IN_NAME = re.compile(r"(?:zero_pp_rank_|^__|random_states_|^rank-)(\d+)")
@@ -212,7 +215,7 @@ def coverage(root, files):
     """None, or what makes the checkpoint under root more or less than `files` (its manifest's table) plus
     the manifest: an extra file, a missing one, a link, FIFO, device or socket anywhere, a size that differs."""
     try:
-        found = dict(entries(root))
+        found = {rel: st for rel, st in entries(root) if rel.split("/")[0] not in (DERIVED, DERIVING)}
     except OSError as exc:
         return f"it cannot be listed ({exc})"
     for rel, st in found.items():
@@ -322,7 +325,7 @@ def _format(rel):
     name = os.path.basename(rel)
     if name == ".metadata":
         return "metadata"
-    if name == "latest" or name.endswith((".json", ".safetensors", ".py", ".distcp", ".done")):
+    if name in ("latest", "latest_universal") or name.endswith((".json", ".safetensors", ".py", ".distcp", ".done")):
         return None
     return "torch"
 

@@ -1,8 +1,10 @@
 """What a resumed run must share with the run that wrote the checkpoint, and what it may change.
 
 Owns the rules, written as data:
-  * the layout: which engine wrote the files (full state, DeepSpeed ZeRO stage N, FSDP) and over how
-    many processes, since sharded files can only be read back by the same engine and world size;
+  * the layout: which engine wrote the files (full state, DeepSpeed ZeRO stage N, FSDP), over how many
+    processes and in how many accumulation steps. The engine and stage must match; the world size and
+    --grad-accum may change where WORLD_SIZE_CHANGE and RESHAPE say so, with PER_RANK saying what becomes
+    of each rank's own state;
   * the settings: every parsed flag must match, except those in MAY_CHANGE (the run services' own: where
     results and checkpoints go, logging, profiling, checkpoint cadence, stopping) and those a recipe
     declares with Run(..., may_change=...), plus the recipe's data facts (where the data came from and
@@ -32,13 +34,59 @@ MAY_CHANGE = {
 }
 
 
-def layout(accelerator):
-    """What decides whether a checkpoint's files can be read back by this run."""
+# Another number of processes, per kind of checkpoint (kind()): how the checkpoint's state reaches the new ranks,
+# or None where it cannot (the refusal names the way out, WAY_OUT).
+WORLD_SIZE_CHANGE = {
+    "full": "every rank loads the whole model and optimizer state (1 process and DDP save it whole)",
+    "fsdp": "torch.distributed.checkpoint reshards the model and optimizer by parameter name onto the new ranks",
+    "deepspeed ZeRO-1": None,
+    "deepspeed ZeRO-2": "DeepSpeed's universal checkpoint (ds_to_universal, converted once into the checkpoint's "
+                        "universal/ part, then load_universal) repartitions the optimizer state onto the new ranks",
+    "deepspeed ZeRO-3": None,
+}
+WAY_OUT = {
+    "deepspeed ZeRO-1": "ZeRO-1 through DeepSpeed's universal checkpoint is not tested yet (docs/checkpoints.md, "
+                        "\"Another number of GPUs\")",
+    "deepspeed ZeRO-3": "ZeRO-3 through DeepSpeed's universal checkpoint loads, then drifts from the uninterrupted "
+                        "training (measured: 0.2% in the loss 8 steps later), so it is refused (docs/checkpoints.md, "
+                        "\"Another number of GPUs\")",
+}
+
+# Flags that may change on a resume because they only split the global batch (--batch-size, which must
+# match): each optimizer step still sees the same samples, and the data position counts optimizer steps.
+RESHAPE = {
+    "grad_accum": "so that fewer processes hold the same global batch in more accumulation steps (and more "
+                  "processes in fewer); the global batch must divide by processes x --grad-accum",
+}
+
+# What torch.distributed.checkpoint does not reshard: each rank's own state, and the rule for it when the
+# world size changes (docs/checkpoints.md has them as a table).
+PER_RANK = {
+    "RNG state (random_states_R.pkl)": "a rank the checkpoint has takes its own; a new rank takes rank 0's (the "
+                                       "ranks start from one seed); the state of a rank that no longer exists "
+                                       "is dropped",
+    "buffers (rank-R.buffers.safetensors, FSDP: BatchNorm statistics)": "a new rank takes rank 0's; those of "
+                                                                        "a rank that no longer exists are "
+                                                                        "dropped",
+    "data position": "kept: it counts optimizer steps of the global batch, and the sampler's order depends only "
+                     "on seed and epoch, so the new ranks split the same samples of each step among themselves",
+    "log window": "its loss is the mean over the old ranks, carried by every new rank, with its micro-batch "
+                  "count converted to the new --grad-accum (the same samples, in the new micro-batches)",
+}
+
+
+def kind(saved):
+    """The WORLD_SIZE_CHANGE key of a layout: its family, with the ZeRO stage for DeepSpeed."""
+    return f"deepspeed ZeRO-{saved['zero_stage']}" if saved["family"] == "deepspeed" else saved["family"]
+
+
+def layout(accelerator, grad_accum=1):
+    """What decides whether a checkpoint's files can be read back by this run, and how it split the batch."""
     # 1 process and DDP store the same full state; DeepSpeed and FSDP store their own formats.
     family = {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(
         accelerator.distributed_type, "full")
     return {"family": family, "zero_stage": engine(accelerator)["deepspeed_stage"],
-            "world_size": accelerator.num_processes}
+            "world_size": accelerator.num_processes, "grad_accum": grad_accum}
 
 
 def settings(args, may_change, data_facts):
@@ -57,14 +105,54 @@ def incompatibility(manifest, now, must_match):
     if saved["family"] != now["family"] or saved["zero_stage"] != now["zero_stage"]:
         return (f"it was written by {saved['family']} (ZeRO stage {saved['zero_stage']}) and this run is "
                 f"{now['family']} (ZeRO stage {now['zero_stage']}); their files differ")
-    if saved["family"] != "full" and saved["world_size"] != now["world_size"]:
-        return (f"{saved['family']} shards its state over the {saved['world_size']} processes that wrote "
-                f"it, and this run has {now['world_size']}; relaunch with {saved['world_size']} processes")
+    if saved["world_size"] != now["world_size"] and WORLD_SIZE_CHANGE[kind(saved)] is None:
+        return (f"{saved['family']} shards its state over the {saved['world_size']} processes that wrote it, and "
+                f"this run has {now['world_size']}; relaunch with {saved['world_size']} processes (accelerate "
+                f"launch --num_processes {saved['world_size']}; under Slurm, as many GPUs as before). "
+                f"{WAY_OUT[kind(saved)]}")
     before = manifest["must_match"]
     differ = {k: (before.get(k, "<not set>"), must_match.get(k, "<not set>"))
-              for k in sorted(set(before) | set(must_match)) if before.get(k) != must_match.get(k)}
+              for k in sorted(set(before) | set(must_match)) if before.get(k) != must_match.get(k) and k not in RESHAPE}
     if differ:
         return "these settings differ from the run that wrote it (saved, now): " + ", ".join(
             f"{k} {a!r} vs {b!r}"
             for k, (a, b) in differ.items())
     return None
+
+
+def reshaped(manifest, now):
+    """What changed between the run that wrote the checkpoint and this one, and the rules that applied, as
+    lines for the log and the summary ([] when nothing did). Call after incompatibility() found none."""
+    saved, notes = manifest["layout"], []
+    old_world, old_accum = saved["world_size"], saved_grad_accum(manifest, now)
+    if old_world != now["world_size"]:
+        notes.append(f"world size {old_world} -> {now['world_size']}: {WORLD_SIZE_CHANGE[kind(saved)]}")
+        if now["world_size"] > old_world:
+            notes.append(f"ranks {list(range(old_world, now['world_size']))} are new: they take rank 0's RNG "
+                         f"state" + (" and buffers" if saved["family"] == "fsdp" else ""))
+        else:
+            notes.append(f"ranks {list(range(now['world_size'], old_world))} no longer exist: their RNG state"
+                         + (" and buffers are" if saved["family"] == "fsdp" else " is") + " dropped")
+    if old_accum != now["grad_accum"]:
+        notes.append(f"--grad-accum {old_accum} -> {now['grad_accum']}: the same global batch in "
+                     f"{now['grad_accum']} micro-batch(es) per process")
+    return notes
+
+
+def saved_grad_accum(manifest, now):
+    """The checkpoint's --grad-accum: in its layout, or (written before the layout held it) its settings."""
+    return manifest["layout"].get("grad_accum") or manifest["must_match"].get("grad_accum") or now["grad_accum"]
+
+
+def reshaped_window(window, manifest, now):
+    """The checkpoint's open log window as this run's ranks carry it (PER_RANK's rule): unchanged when the
+    world size and --grad-accum are; otherwise the mean loss over the old ranks on every new rank, its
+    micro-batch count converted to the new --grad-accum (a window starts at an optimizer step, so its count is
+    a whole number of optimizer steps)."""
+    old_accum = saved_grad_accum(manifest, now)
+    sums, micro = window["loss_sums"], window["micro"]
+    if len(sums) == now["world_size"] and old_accum == now["grad_accum"]:
+        return window
+    new_micro = micro // old_accum * now["grad_accum"]
+    mean = sum(sums) / len(sums) / micro if micro else 0.0
+    return {**window, "loss_sums": [mean * new_micro] * now["world_size"], "micro": new_micro}

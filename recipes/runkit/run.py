@@ -66,7 +66,7 @@ from .reporting import (
     start_tracking,
     write_summary,
 )
-from .resume_rules import settings
+from .resume_rules import reshaped_window, settings
 from .sharded_model import BUILT_WHOLE, sharded_building
 from .stopping import GracefulStop, die_with_launcher, how_to_stop, stopped
 from .timing import StepTimer
@@ -176,7 +176,8 @@ class Run:
         self.samples_per_micro, self.flops_per_unit, self.peak_tflops = samples_per_micro, flops_per_unit, peak_tflops
         self.evaluate_fn, self.eval_every = evaluate, eval_every
         must_match = settings(args, self.may_change, data_facts or {})
-        self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock)
+        self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock,
+                                         self.grad_accum)
         chosen = self.checkpointer.choose(args.resume)
         if chosen and chosen[1]["train_state"]["step"] >= total_steps:
             self._already_complete(*chosen)
@@ -190,7 +191,11 @@ class Run:
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
         if chosen:
             self.state.update(self.checkpointer.load(*chosen))
+            if self.state["window"]:  # written by another world size or --grad-accum: resume_rules.PER_RANK
+                self.state["window"] = reshaped_window(self.state["window"], chosen[1],
+                                                       self.checkpointer.layout)
         self.resumed_from = self.state["step"] or None
+        self.resumed_layout = chosen[1]["layout"] if chosen else None
         self.peaks_at_start = peaks_at_start(acc)  # building, preparing and loading the model: collective
         self._resumed_time = self.state["train_time"]  # training time of the runs before this one
         self.timer = StepTimer(acc)
@@ -395,7 +400,9 @@ class Run:
             write_summary(out, {
                 "recipe": self.name, **self.engine, "optimizer": optimizer_name(self.optimizer),
                 "optimizer_implementation": implementation(self.optimizer), "steps": s["step"],
-                "epochs": s["epochs_run"], "resumed_from_step": self.resumed_from, "first_loss": s["first_loss"],
+                "epochs": s["epochs_run"], "resumed_from_step": self.resumed_from,
+                "resumed_from_world_size": self.resumed_layout and self.resumed_layout["world_size"],
+                "resume_changes": self.checkpointer.reshaped, "first_loss": s["first_loss"],
                 "final_loss": s["final_loss"], **evaluation, f"{self.unit}_per_s": rate,
                 **({"mfu": self._mfu(rate) if self.peak_tflops else None} if self.flops_per_unit else {}),
                 "data_time_s": t.total_data, "compute_time_s": t.total_compute,

@@ -1,0 +1,97 @@
+"""recipes/runkit/resume_rules.py without a launch: what a resume on another world size or --grad-accum may
+change, what it refuses and how it names the way out, the log window's rule, and the table in
+docs/checkpoints.md that states the rules. Quick: the launches that prove them are in test_checkpoint_resume.py."""
+
+import sys
+
+import pytest
+
+from launching import REPO
+
+sys.path.insert(0, str(REPO / "recipes"))
+from runkit.resume_rules import (  # noqa: E402
+    PER_RANK,
+    RESHAPE,
+    WORLD_SIZE_CHANGE,
+    incompatibility,
+    kind,
+    reshaped,
+    reshaped_window,
+)
+
+SETTINGS = {"batch_size": 16, "grad_accum": 1, "lr": 1e-3}
+
+
+def manifest(family="fsdp", world=2, grad_accum=1, stage=None, **settings):
+    return {"layout": {"family": family, "zero_stage": stage, "world_size": world, "grad_accum": grad_accum},
+            "must_match": {**SETTINGS, "grad_accum": grad_accum, **settings}}
+
+
+def now(family="fsdp", world=1, grad_accum=2, stage=None):
+    return {"family": family, "zero_stage": stage, "world_size": world, "grad_accum": grad_accum}
+
+
+@pytest.mark.parametrize("family,stage", [("full", None), ("fsdp", None), ("deepspeed", 2)])
+def test_world_size_and_grad_accum_may_change_where_the_state_reshards(family, stage):
+    saved, here = manifest(family, stage=stage), now(family, stage=stage)
+    assert incompatibility(saved, here, {**SETTINGS, "grad_accum": 2}) is None
+    assert reshaped(saved, here) == [
+        f"world size 2 -> 1: {WORLD_SIZE_CHANGE[kind(saved['layout'])]}",
+        "ranks [1] no longer exist: their RNG state" + (" and buffers are" if family == "fsdp" else " is")
+        + " dropped",
+        "--grad-accum 1 -> 2: the same global batch in 2 micro-batch(es) per process"]
+    grown = manifest(family, world=1, grad_accum=2, stage=stage)
+    assert reshaped(grown, now(family, world=4, grad_accum=1, stage=stage))[1] == (
+        "ranks [1, 2, 3] are new: they take rank 0's RNG state" + (" and buffers" if family == "fsdp" else ""))
+    assert reshaped(saved, now(family, world=2, grad_accum=1, stage=stage)) == []
+
+
+def test_the_global_batch_may_not_change():
+    problem = incompatibility(manifest(), now(), {**SETTINGS, "grad_accum": 2, "batch_size": 8})
+    assert problem == "these settings differ from the run that wrote it (saved, now): batch_size 16 vs 8"
+
+
+@pytest.mark.parametrize("stage,why", [(1, "ZeRO-1 through DeepSpeed's universal checkpoint is not tested yet"),
+                                       (3, "ZeRO-3 through DeepSpeed's universal checkpoint loads, then drifts")])
+def test_zero_on_another_world_size_is_one_message_with_the_way_out(stage, why):
+    problem = incompatibility(manifest("deepspeed", stage=stage), now("deepspeed", stage=stage), SETTINGS)
+    assert problem.startswith("deepspeed shards its state over the 2 processes that wrote it, and this run has 1; "
+                              "relaunch with 2 processes (accelerate launch --num_processes 2; under Slurm, as "
+                              "many GPUs as before)")
+    assert why in problem
+    # The same world size with another --grad-accum is a change of RESHAPE alone.
+    assert incompatibility(manifest("deepspeed", stage=stage), now("deepspeed", world=2, stage=stage),
+                           {**SETTINGS, "grad_accum": 2}) is None
+
+
+def test_another_engine_is_still_refused():
+    assert "their files differ" in incompatibility(manifest("fsdp"), now("full"), SETTINGS)
+
+
+def test_a_checkpoint_without_grad_accum_in_its_layout_reads_it_from_its_settings():
+    old = manifest(grad_accum=2)
+    del old["layout"]["grad_accum"]
+    assert reshaped(old, now(world=2, grad_accum=1)) == [
+        "--grad-accum 2 -> 1: the same global batch in 1 micro-batch(es) per process"]
+
+
+def test_log_window_carries_the_old_ranks_mean_in_the_new_micro_batches():
+    """2 ranks, 1 micro-batch per step, 3 steps into the window (per-rank loss sums 6 and 9: means 2 and 3)
+    -> 1 rank with --grad-accum 2: 6 micro-batches of half the size, mean 2.5."""
+    window = {"loss_sums": [6.0, 9.0], "micro": 3, "data_time": 1.0, "compute_time": 2.0}
+    moved = reshaped_window(window, manifest(world=2, grad_accum=1), now(world=1, grad_accum=2))
+    assert moved == {"loss_sums": [15.0], "micro": 6, "data_time": 1.0, "compute_time": 2.0}
+    assert moved["loss_sums"][0] / moved["micro"] == (2.0 + 3.0) / 2
+    back = reshaped_window(moved, manifest(world=1, grad_accum=2), now(world=4, grad_accum=1))
+    assert back["loss_sums"] == [7.5] * 4 and back["micro"] == 3
+    assert reshaped_window(window, manifest(world=2), now(world=2, grad_accum=1)) is window
+
+
+def test_docs_state_every_rule_as_a_table():
+    """docs/checkpoints.md's table names every family, RESHAPE flag and per-rank part the code has rules for."""
+    text = (REPO / "docs" / "checkpoints.md").read_text()
+    section = text[text.index("## Another number of GPUs"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    for name in [*WORLD_SIZE_CHANGE, *(f"--{flag.replace('_', '-')}" for flag in RESHAPE), *PER_RANK]:
+        assert any(f"| {name} |" in row or f"| `{name}` |" in row for row in rows), name
