@@ -25,7 +25,7 @@ SUMMARY_KEYS = [
     "recipe", "distributed_type", "world_size", "mixed_precision", "deepspeed_stage", "offload_optimizer",
     "optimizer", "optimizer_implementation", "data_source", "grad_reduce_dtype", "overlap_comm",
     # progress, losses, evaluation
-    "steps", "epochs", "resumed_from_step", "first_loss", "final_loss",
+    "steps", "epochs", "resumed_from_step", "resumed_from_world_size", "resume_changes", "first_loss", "final_loss",
     "test_loss", "test_accuracy", "test_samples", "val_accuracy", "val_images", "val_loss",
     # speed and time
     "samples_per_s", "tokens_per_s", "images_per_s", "mfu", "data_time_s", "compute_time_s", "data_fraction",
@@ -42,7 +42,8 @@ SUMMARY_KEYS = [
     "preset", "block_size", "train_blocks", "model_state_gb_per_process_estimate", "sample",
     "arch", "image_size", "classes", "base_model", "data_format", "train_examples", "loss_positions_share",
     "gradient_checkpointing", "exported_dtype", "sample_prompt", "sample_prompt_ids", "sample_token_ids",
-    "sample_logprobs", "args",
+    "sample_logprobs", "lora_r", "trainable_params", "tokenised_examples", "cut_examples", "dropped_examples",
+    "args",
 ]
 
 INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
