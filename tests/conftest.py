@@ -23,6 +23,7 @@ from launching import (
     launch_command,
     recipe_args,
     run_command,
+    write_corpus,
 )
 
 
@@ -101,9 +102,7 @@ def start(data_dir, tmp_path):
 def shelf_data(tmp_path_factory):
     """A text corpus for gpt.py, PNG/JPEG class folders for resnet.py, and a checkpoint root."""
     root = tmp_path_factory.mktemp("shelf")
-    lines = [f"{i % 97:02d}: the {('quick', 'lazy', 'small')[i % 3]} fox number {i * 7 % 13} jumps over dog {i % 5}."
-             for i in range(3000)]
-    (root / "corpus.txt").write_text("\n".join(lines))
+    write_corpus(root / "corpus.txt", 3000)
     write_image_folder(root / "images", train_per_class=48, val_per_class=11, size=20)
     return root
 

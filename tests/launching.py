@@ -53,6 +53,12 @@ FP32 = ("--mixed_precision", "no")
 TRAINING = ("--epochs", "2", "--batch-size", "200", "--log-every", "1", "--checkpoint-every", "5", "--keep-last", "0")
 
 
+def write_corpus(path, lines):
+    """gpt.py's test text: `lines` short numbered lines of a handful of words."""
+    path.write_text("\n".join(f"{i % 97:02d}: the {('quick', 'lazy', 'small')[i % 3]} fox number {i * 7 % 13} jumps "
+                              f"over dog {i % 5}." for i in range(lines)))
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

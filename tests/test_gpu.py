@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from image_folder import write_image_folder
-from launching import CONFIG_DIR, REPO, Run, free_port, load_yaml, run_command
+from launching import CONFIG_DIR, REPO, Run, free_port, load_yaml, run_command, write_corpus
 from tiny_hf import write_all
 
 GPUS = torch.cuda.device_count()
@@ -42,9 +42,7 @@ RECIPES = ["mnist", "gpt", "resnet", "finetune_lm", "linear_regression"]
 def gpu_data(tmp_path_factory):
     """Text for gpt.py, class folders for resnet.py, the tiny Hugging Face model for finetune_lm.py."""
     root = tmp_path_factory.mktemp("gpu_data")
-    lines = [f"{i % 97:02d}: the {('quick', 'lazy', 'small')[i % 3]} fox number {i * 7 % 13} jumps over dog {i % 5}."
-             for i in range(8000)]
-    (root / "corpus.txt").write_text("\n".join(lines))
+    write_corpus(root / "corpus.txt", 8000)
     write_image_folder(root / "images", train_per_class=640, val_per_class=64, size=32)
     write_all(root / "hf")
     return root
