@@ -459,6 +459,7 @@ def main(argv=None):
     if args.lora_r:
         model = with_lora(model, args, run)
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)  # ZeRO-3: the whole parameter's size
     micro = args.batch_size // args.grad_accum
     pin = accelerator.device.type == "cuda"
     train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True, pin_memory=pin)
@@ -487,8 +488,10 @@ def main(argv=None):
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(  # accelerate
         model, optimizer, train_loader, val_loader, scheduler)
     # FLOPs per token: 6 per weight in a matmul (the input embedding is a lookup) plus attention's 12 L d T.
+    # LoRA's frozen weights get no weight gradient: 4 each (forward, and the gradient of their input), 6 per adapter.
     embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
-    flops_per_token = 6 * (n_params - embedding) + 12 * config.num_hidden_layers * config.hidden_size * args.block_size
+    matmul = 6 * (n_params - embedding) if not args.lora_r else 4 * (n_params - embedding) + 6 * trained
+    flops_per_token = matmul + 12 * config.num_hidden_layers * config.hidden_size * args.block_size
     positions = len(train_set) * (args.block_size - 1)  # positions with a target
     loss_share = sum(train_set.with_format(None)["in_loss"]) / positions
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=args.max_steps,
@@ -545,7 +548,7 @@ def main(argv=None):
         plain.config.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         return f"{adapter_dir}, {model_dir}" if args.lora_r else model_dir
-    lora = {"lora_r": args.lora_r, "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in trainable)}
+    lora = {"lora_r": args.lora_r, "trainable_params": trained}
     return run.finish(model, export=export, exported_dtype=args.save_dtype, base_model=args.model, data_format=fmt,
                       data_source=source, train_examples=len(train_set), loss_positions_share=loss_share,
                       block_size=args.block_size, gradient_checkpointing=args.gradient_checkpointing, **lora, **sample,
