@@ -548,7 +548,8 @@ def main(argv=None):
         plain.config.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         return f"{adapter_dir}, {model_dir}" if args.lora_r else model_dir
-    lora = {"lora_r": args.lora_r, "trainable_params": trained}
+    lora = {"lora_r": args.lora_r, "trainable_params": trained,
+            "frozen_dtype": str(dtype).removeprefix("torch.") if args.lora_r else None}
     return run.finish(model, export=export, exported_dtype=args.save_dtype, base_model=args.model, data_format=fmt,
                       data_source=source, train_examples=len(train_set), loss_positions_share=loss_share,
                       block_size=args.block_size, gradient_checkpointing=args.gradient_checkpointing, **lora, **sample,

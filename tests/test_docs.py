@@ -42,8 +42,8 @@ SUMMARY_KEYS = [
     "preset", "block_size", "train_blocks", "model_state_gb_per_process_estimate", "sample",
     "arch", "image_size", "classes", "base_model", "data_format", "train_examples", "loss_positions_share",
     "gradient_checkpointing", "exported_dtype", "sample_prompt", "sample_prompt_ids", "sample_token_ids",
-    "sample_logprobs", "lora_r", "trainable_params", "tokenised_examples", "cut_examples", "dropped_examples",
-    "args",
+    "sample_logprobs", "lora_r", "trainable_params", "frozen_dtype", "tokenised_examples", "cut_examples",
+    "dropped_examples", "args",
 ]
 
 INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")

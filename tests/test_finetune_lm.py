@@ -198,6 +198,10 @@ def test_lora_adapter_loads_with_peft(lora, hf, config):
     s = run.summary
     assert_engine(s, config)
     assert s["mixed_precision"] == LORA_PRECISION[config] and s["lora_r"] == 4 and s["final_loss"] < s["first_loss"]
+    assert s["frozen_dtype"] == ("bfloat16" if LORA_PRECISION[config] == "bf16" else "float32")
+    assert_shards_held(s, config)  # ZeRO-3 and FSDP2: the frozen base sharded too
+    if config == "deepspeed_zero3.yaml":
+        assert s["model_init"] == "partitioned while loaded (transformers, zero.Init)"
     cfg = json.loads((hf / "model" / "config.json").read_text())
     d, ff = cfg["hidden_size"], cfg["intermediate_size"]
     kv = d // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
