@@ -159,22 +159,35 @@ def test_fsdp_resumes_on_another_world_size_and_grad_accum(shelf, shelf_data, tm
     assert layout == {"family": "fsdp", "zero_stage": None, "world_size": 1, "grad_accum": 2}
 
 
-def test_zero2_resumes_on_another_world_size_through_the_universal_checkpoint(shelf, shelf_data, tmp_path):
-    """ZeRO-2 on the gpt recipe in fp32, as the FSDP test above: 2 -> 1 with --grad-accum 2, then 1 -> 2. Each
-    resume converts its checkpoint once into universal/ (DeepSpeed's universal checkpoint, with a manifest of
-    its own); a converted file changed afterwards refuses the next resume by name, and nothing is loaded."""
-    ref = shelf("gpt", "deepspeed_zero2.yaml")
+UNIVERSAL = ("DeepSpeed's universal checkpoint (ds_to_universal, converted once into the checkpoint's universal/ "
+             "part, then load_universal) repartitions the {} onto the new ranks")
+
+
+# 2 -> 1 for every ZeRO stage, and back 1 -> 2 for ZeRO-2 and ZeRO-3: each resume is one launch on top of the
+# shelf's uninterrupted runs. ZeRO-3 (offload too) needed runkit's repair of DeepSpeed's stage-3 universal load
+# (checkpoints._repair_zero3_universal_load): without it the loss drifted 0.2% in 8 steps.
+ZERO_BACK_AND_FORTH = {"deepspeed_zero1.yaml": False, "deepspeed_zero2.yaml": True, "deepspeed_zero3.yaml": True,
+                       "deepspeed_zero3_offload.yaml": False}
+
+
+@pytest.mark.parametrize("config", list(ZERO_BACK_AND_FORTH))
+def test_zero_resumes_on_another_world_size_through_the_universal_checkpoint(shelf, shelf_data, tmp_path, config):
+    """Each ZeRO stage on the gpt recipe in fp32, as the FSDP test above: the shelf run's step 4 resumed by 1
+    process with --grad-accum 2 (for ZeRO-2 and ZeRO-3, that run's step 8 then by 2 processes). Each resume
+    converts its checkpoint once into universal/ (DeepSpeed's universal checkpoint, with a manifest of its
+    own); under ZeRO-2, a converted file changed afterwards refuses the next resume by name, loading nothing."""
+    ref = shelf("gpt", config)
     written_by_2 = tmp_path / "copy" / "step-00000004"  # a copy: the conversion writes into the checkpoint
-    shutil.copytree(shelf_data / "ckpt-gpt-deepspeed_zero2.yaml" / "step-00000004", written_by_2)
-    one = shelf("gpt", "deepspeed_zero2.yaml", "--grad-accum", "2", "--checkpoint-dir", str(tmp_path / "one"),
+    shutil.copytree(shelf_data / f"ckpt-gpt-{config}" / "step-00000004", written_by_2)
+    one = shelf("gpt", config, "--grad-accum", "2", "--checkpoint-dir", str(tmp_path / "one"),
                 "--resume", str(written_by_2), launch_args=(*FP32, "--num_processes", "1"))
-    two = shelf("gpt", "deepspeed_zero2.yaml", "--checkpoint-dir", str(tmp_path / "two"), "--resume",
-                str(tmp_path / "one" / "step-00000008"))
-    how = ("DeepSpeed's universal checkpoint (ds_to_universal, converted once into the checkpoint's universal/ "
-           "part, then load_universal) repartitions the optimizer state onto the new ranks")
+    how = UNIVERSAL.format("parameters and optimizer state" if "zero3" in config else "optimizer state")
     assert_continues_on_another_shape(ref, one, written_by_2, 4, 2, how, [SHRUNK[0].format(" is"), SHRUNK[1]])
-    assert_continues_on_another_shape(ref, two, tmp_path / "one" / "step-00000008", 8, 1, how,
-                                      [GROWN[0].format(""), GROWN[1]])
+    if ZERO_BACK_AND_FORTH[config]:
+        two = shelf("gpt", config, "--checkpoint-dir", str(tmp_path / "two"), "--resume",
+                    str(tmp_path / "one" / "step-00000008"))
+        assert_continues_on_another_shape(ref, two, tmp_path / "one" / "step-00000008", 8, 1, how,
+                                          [GROWN[0].format(""), GROWN[1]])
     # The conversion: a derived part the checkpoint's own manifest does not list, whose manifest records every
     # file it holds with checksums that match, and the checkpoint it came from.
     derived = written_by_2 / "universal"
@@ -188,6 +201,8 @@ def test_zero2_resumes_on_another_world_size_through_the_universal_checkpoint(sh
     own = json.loads((written_by_2 / "checkpoint.json").read_text())
     assert converted["derived_from"] == hashlib.sha256(json.dumps(own["files"], sort_keys=True).encode()).hexdigest()
     assert not [rel for rel in own["files"] if rel.startswith("universal")]
+    if config != "deepspeed_zero2.yaml":
+        return  # the check of a converted part runs the same code for every stage: one launch of it is enough
     # One byte of a converted file flipped: the next resume on 1 process reuses the part, so it must refuse.
     rel = "pytorch_model/zero/wpe.weight/fp32.pt"
     data = bytearray((derived / rel).read_bytes())
@@ -260,13 +275,6 @@ def test_resume_refusals(launch, reference, tmp_path):
     # A DeepSpeed checkpoint in a plain run: different files.
     run = launch("cpu.yaml", *TRAINING, "--resume", str(zero2_ckpt / MID_EPOCH), launch_args=FP32, check=False)
     assert run.returncode == 1 and "written by deepspeed (ZeRO stage 2)" in run.output, run.output[-2000:]
-    # ZeRO-3's shards belong to the 2 processes that wrote them (docs/checkpoints.md, "Another number of GPUs").
-    _, zero3_ckpt = reference("deepspeed_zero3.yaml")
-    run = launch("deepspeed_zero3.yaml", *TRAINING, "--resume", str(zero3_ckpt / MID_EPOCH),
-                 launch_args=(*FP32, "--num_processes", "1"), check=False)
-    assert run.returncode == 1 and "relaunch with 2 processes (accelerate launch --num_processes 2" in run.output, \
-        run.output[-2000:]
-    assert "ZeRO-3 through DeepSpeed's universal checkpoint loads, then drifts" in run.output
     # A truncated ZeRO shard (one rank's optimizer state): refused by name, nothing loaded.
     work = tmp_path / "zero2-truncated"
     shutil.copytree(zero2_ckpt / MID_EPOCH, work)
