@@ -250,6 +250,22 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora, hf, tmp_pa
 
 
 @pytest.mark.slow
+def test_resume_with_another_grad_accum_from_an_odd_step(finetune, tmp_path):
+    """A checkpoint of step 3 written with --grad-accum 1, resumed with --grad-accum 2 (what a job back on fewer
+    GPUs does): the steps go on exactly as before. accelerate's restored micro-batch counter (3) would make
+    the first micro-batch after the resume an optimizer step of its own (4.89 at step 4 instead of 5.34)."""
+    ckpt = ["--checkpoint-every", "3", "--keep-last", "0"]
+    ref = finetune("cpu.yaml", "--checkpoint-dir", str(tmp_path / "ref"), *ckpt)
+    shutil.copytree(tmp_path / "ref" / "step-00000003", tmp_path / "ckpt" / "step-00000003")
+    resumed = finetune("cpu.yaml", "--checkpoint-dir", str(tmp_path / "ckpt"), *ckpt, "--grad-accum", "2")
+    assert resumed.summary["resumed_from_step"] == 3
+    assert any("--grad-accum 1 -> 2" in change for change in resumed.summary["resume_changes"])
+    assert [m["step"] for m in resumed.metrics] == list(range(4, STEPS + 1))
+    for a, b in zip([m for m in ref.metrics if m["step"] > 3], resumed.metrics):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["lr"] == a["lr"], (a, b)
+
+
+@pytest.mark.slow
 def test_killed_rank_then_resume_is_exact(lora, start, hf, tmp_path):
     """LoRA under FSDP2 in bf16, sharded checkpoints: one rank killed mid-run, the resumed run ends with the
     uninterrupted run's losses and adapter, bit for bit."""

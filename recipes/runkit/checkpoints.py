@@ -340,6 +340,9 @@ class Checkpointer:
             print(f"error: checkpoint {path} cannot be loaded: {(str(exc).splitlines() or [''])[0][:300]}. Remove "
                   f"it, or resume from another one.", file=sys.stderr, flush=True)
             sys.exit(2)
+        # load_state restores accelerate's micro-batch counter, whose remainder modulo --grad-accum decides which
+        # micro-batch syncs: after a change of --grad-accum it must fall on an optimizer step again.
+        acc.step = manifest["step"] * acc.gradient_accumulation_steps
         self.times["resume_load_s"] = time.perf_counter() - started
         self.last_saved_step = manifest["step"]
         self.reshaped = reshaped(manifest, self.layout)
