@@ -66,8 +66,9 @@ PER_RANK = {
                      "on seed and epoch, so the new ranks split the same samples of each step among themselves",
     "log window": "its loss is the mean over the old ranks, carried by every new rank, with its micro-batch "
                   "count converted to the new --grad-accum (the same samples, in the new micro-batches)",
-    "accelerate's micro-batch counter": "set to the checkpoint's step x the new --grad-accum (Checkpointer.load): "
-                                        "its remainder decides which micro-batch ends an optimizer step",
+    "accelerate's micro-batch counter (accelerator.step)": "set to the checkpoint's step x the new --grad-accum "
+                                                           "(Checkpointer.load): its remainder decides which "
+                                                           "micro-batch ends an optimizer step",
 }
 
 
