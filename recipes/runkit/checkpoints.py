@@ -93,6 +93,15 @@ def add_checkpoint_args(parser):
     add_stop_args(group)
 
 
+def write_manifest(directory, manifest):
+    """directory/checkpoint.json, written once (never over a file or through a link another wrote) and synced."""
+    fd = os.open(os.path.join(directory, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def agree(accelerator, main_result):
     """Collective: broadcast the main process's (value, error) to every rank; every rank fails on an error."""
     box = [main_result]
@@ -216,11 +225,7 @@ class Checkpointer:
                 manifest = {"step": step, "layout": self.layout, "must_match": self.must_match,
                             "train_state": train_state, "files": files}
                 self._still_ours(tmp, made, final)
-                fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-                with os.fdopen(fd, "w") as f:
-                    json.dump(manifest, f, indent=1)
-                    f.flush()
-                    os.fsync(f.fileno())
+                write_manifest(tmp, manifest)
                 remove_entry(final)  # an older save of this very step (a rerun), or a planted link
                 self._still_ours(tmp, made, final)
                 os.replace(tmp, final)  # the moment the checkpoint becomes visible
@@ -413,11 +418,7 @@ class Checkpointer:
         files = file_table(tmp, listing(tmp))
         derived = {"step": manifest["step"], "layout": manifest["layout"], "must_match": manifest["must_match"],
                    "train_state": {}, "derived_from": source, "files": files}
-        fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump(derived, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        write_manifest(tmp, derived)
         os.replace(tmp, os.path.join(path, DERIVED))
         fsync(path)
         print(f"converted {path}'s ZeRO state to DeepSpeed's universal checkpoint in {os.path.join(path, DERIVED)} "
