@@ -122,10 +122,8 @@ def parse_args(argv=None):
 def encode_pair(prompt, response, eos, pad_id, block_size):
     """(input_ids, labels) of a prompt/response pair, block_size long. Labels by position: the prompt and the padding
     are IGNORE whatever their ids, so a pad token that is also the end-of-sequence token is learned only as the end."""
-    ids = (prompt + response + [eos])[:block_size]
-    labels = ([IGNORE] * len(prompt) + response + [eos])[:block_size]
-    pad = block_size - len(ids)
-    return ids + [pad_id] * pad, labels + [IGNORE] * pad
+    return encode_chat(prompt + response + [eos], [False] * len(prompt) + [True] * (len(response) + 1), pad_id,
+                       block_size)
 
 
 def encode_chat(ids, learned, pad_id, block_size):
