@@ -17,6 +17,11 @@ help (ACCELERATE_USE_CPU=1 is accelerate's own switch); this route is for the re
    that computes the same global batch statistics with an autograd-aware all-reduce.
 3. The first DeepSpeed run on a CPU builds DeepSpeed's CPU ops, silently, for about a minute or
    two: this says so before it starts.
+4. accelerator.end_training() at the end of a script. Under DeepSpeed and FSDP the gloo process group
+   outlives destroy_process_group (DeepSpeed's groups and FSDP's mesh still hold it), and so do gloo's
+   worker threads. One that is still letting go of a finished collective when Python starts to finalize
+   aborts the process ("terminate called without an active exception": docs/troubleshooting.md). Here
+   end_training() also waits until those threads are idle, which takes milliseconds.
 
 It exists for learning and testing on a laptop or CI; it is not a way to train fast.
 """
@@ -109,6 +114,55 @@ def deepspeed_ops_to_build(torch):
     return [op for op in ops if not os.path.isfile(os.path.join(root, op, op + ".so"))]
 
 
+def _idle_gloo_threads_after_end_training():
+    from accelerate import Accelerator
+
+    end_training = Accelerator.end_training
+
+    def end_training_then_wait(self):
+        end_training(self)
+        wait_for_idle_gloo_threads()
+
+    Accelerator.end_training = end_training_then_wait
+
+
+def wait_for_idle_gloo_threads(polls=3, interval=0.002, deadline=2.0):
+    """True once every gloo worker thread (pt_gloo_runloop) of this process has been asleep, without a single
+    context switch, for `polls` intervals in a row (at once when there is none); False when `deadline` seconds
+    pass first, or where Linux's /proc cannot tell. The intervals are sleeps, which hand the GIL to a thread
+    waiting for it, so a thread still letting go of a collective's tensors runs, and is seen running, until
+    it is done."""
+    import time
+
+    def snapshot():
+        seen = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() != "pt_gloo_runloop":
+                        continue
+                with open(f"/proc/self/task/{tid}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+            except OSError:
+                continue  # a thread that just ended
+            seen[tid] = tuple(fields[k].strip() for k in ("State", "voluntary_ctxt_switches",
+                                                         "nonvoluntary_ctxt_switches"))
+        return seen
+
+    if not os.path.isdir("/proc/self/task"):
+        return False
+    before, quiet, end = snapshot(), 0, time.monotonic() + deadline
+    while before and quiet < polls:
+        if time.monotonic() > end:
+            return False
+        time.sleep(interval)
+        now = snapshot()
+        asleep = all(state.startswith("S") for state, _, _ in now.values())
+        quiet = quiet + 1 if asleep and now == before else 0
+        before = now
+    return True
+
+
 def install():
     if "LOCAL_RANK" not in os.environ:  # not a worker started by accelerate launch / torchrun
         return
@@ -124,6 +178,7 @@ def install():
               f"on an idle 2-core machine, and silent meanwhile; later runs reuse them.", file=sys.stderr, flush=True)
     if "true" in (os.environ.get("ACCELERATE_USE_DEEPSPEED", ""), os.environ.get("ACCELERATE_USE_FSDP", "")):
         _force_gpu_like_state()  # DDP configs need no help: ACCELERATE_USE_CPU=1 is accelerate's own route
+        _idle_gloo_threads_after_end_training()
     _sync_batchnorm_on_cpu()
 
 

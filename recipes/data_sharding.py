@@ -105,8 +105,7 @@ def main(argv=None):
             "missing_per_epoch": [len(e["missing"]) for e in epochs],
             "evaluated_per_epoch": [len(e["evaluated"]) for e in epochs], "args": vars(args)})
     del loader
-    exits.teardown(accelerator)
-    return 0
+    return exits.teardown(accelerator, 0)
 
 
 if __name__ == "__main__":

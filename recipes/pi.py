@@ -88,8 +88,7 @@ def main(argv=None):
         os.makedirs(args.output_dir, exist_ok=True)
         reporting.write_summary(args.output_dir, {"recipe": "pi", **engines.engine(accelerator), "results": results,
                                         "args": vars(args)})
-    exits.teardown(accelerator)
-    return 0
+    return exits.teardown(accelerator, 0)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from benchmark import deepspeed_json_in  # noqa: E402  (one place that makes a DeepSpeed JSON's fp32 copy)
+from exit_stress import SELF_INFLICTED  # noqa: E402  (one pattern for a process that aborted, here and there)
 
 CONFIG_DIR = REPO / "accelerate_configs"
 CPU_SHIM = REPO / "tests" / "cpu_shim"
@@ -189,8 +190,19 @@ class Run:
         return load_file(str(self.out_dir / "model.safetensors"))
 
 
+def check_exit(output, what="the launch"):
+    """Fail the test when any process of a launch ended by a signal it raised itself (std::terminate, a segfault:
+    the tests themselves only send SIGKILL, SIGTERM, SIGINT, SIGUSR1, SIGSTOP and SIGCONT), whatever its exit code
+    and whatever the test expects of it: one check for every launch (run_command, Background, the Slurm jobs)."""
+    found = SELF_INFLICTED.search(output)
+    if found:
+        pytest.fail(f"{what}: a process aborted or crashed ({found.group(0).strip()!r}); every process must exit "
+                    f"cleanly, after its work too:\n{output[-4000:]}")
+
+
 def run_command(cmd, env=None, timeout=600, cwd=REPO):
-    """Run in its own process group; on a timeout kill the whole group so nothing is left behind."""
+    """Run in its own process group; on a timeout kill the whole group so nothing is left behind. A process of it
+    that aborts fails the test (check_exit)."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -200,6 +212,7 @@ def run_command(cmd, env=None, timeout=600, cwd=REPO):
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout}s; output:\n{output[-5000:]}")
+    check_exit(output, " ".join(map(str, cmd[:6])))
     return proc.returncode, output
 
 
@@ -256,13 +269,16 @@ class Background:
         return len(path.read_text().splitlines()) if path.exists() else 0
 
     def finish(self, deadline=300):
-        """Wait for the launcher; note which processes outlived it (self.left), then kill those."""
+        """Wait for the launcher; note which processes outlived it (self.left), then kill those. A process of
+        the run that aborted fails the test (check_exit)."""
         try:
-            return self.proc.wait(timeout=deadline)
+            code = self.proc.wait(timeout=deadline)
         finally:
             self.left = self.leftovers()
             for pid in self.left:
                 os.kill(pid, signal.SIGKILL)
+        check_exit(self.output, f"the run in {self.marker}")
+        return code
 
     def stops_within(self, seconds=STOP_SECONDS):
         """After a stop signal: the launcher's exit code, once every rank has stopped, saved and exited within

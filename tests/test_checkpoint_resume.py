@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launching import FP32, REPO, TEST_SIZE, TRAINING, free_port, launch_command
+from launching import FP32, REPO, TEST_SIZE, TRAINING, check_exit, free_port, launch_command
 from run_checks import assert_identical_params, assert_same_steps
 
 pytestmark = pytest.mark.slow
@@ -323,6 +323,8 @@ def test_checkpoint_dir_that_nodes_do_not_share_is_refused(data_dir, tmp_path):
         for node in nodes:
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
+    for output in outputs:
+        check_exit(output, "a node's launcher")
     assert [node.returncode for node in nodes] == [1, 1], outputs[0][-3000:] + outputs[1][-3000:]
     assert "ranks [1] wrote their part of the checkpoint somewhere the main process cannot see" in outputs[0]
     for rank in (0, 1):

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launching import CONFIG_FILES, OFFLOAD, REPO, Run, frozen, rank_of, run_command, thawed
+from launching import CONFIG_FILES, OFFLOAD, REPO, Run, check_exit, frozen, rank_of, run_command, thawed
 from run_checks import assert_engine, assert_refused, assert_shards_held
 from tiny_hf import corpus, uneven_pairs, write_all
 
@@ -305,6 +305,7 @@ def test_stop_signal_exits_75_and_resumes(hf, tmp_path):
     proc.send_signal(signal.SIGTERM)
     thawed([proc.pid])
     output = proc.communicate(timeout=120)[0]
+    check_exit(output)
     assert proc.returncode == 75, output[-3000:]
     stopped_at = max(int(p.name.split("-")[1]) for p in ckpt.iterdir() if p.name.startswith("step-"))
     assert 2 <= stopped_at < steps

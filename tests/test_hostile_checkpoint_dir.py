@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from launching import CPU_SHIM, DATA_ARGS, FP32, REPO, TRAINING, recipe_processes, run_command
+from launching import CPU_SHIM, DATA_ARGS, FP32, REPO, TRAINING, check_exit, recipe_processes, run_command
 from run_checks import assert_refused
 
 sys.path.insert(0, str(REPO / "recipes"))
@@ -258,6 +258,7 @@ def test_a_tmp_dir_swapped_during_the_save_is_not_published(written, data_dir, t
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
     output = "".join(lines)
+    check_exit(output)
     assert "TEST-SHIM: slow save" in output, output[-3000:]
     refused(proc.returncode, output, "was replaced while this run wrote into it")
     assert recipe_processes(str(out)) == []

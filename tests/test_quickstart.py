@@ -16,7 +16,7 @@ from launching import CONFIG_DIR, FP32, REPO, TEST_SIZE, TRAIN_SIZE, cpu_route, 
 
 QUICKSTART = REPO / "recipes" / "quickstart"
 TORCH_ONLY, WITH_ACCELERATE = QUICKSTART / "torch_only.py", QUICKSTART / "with_accelerate.py"
-MAX_LINES = 8  # at most this many lines added (or changed) and this many removed
+MAX_LINES = 9  # at most this many lines added (or changed) and this many removed
 TRAINING = ["--epochs", "1", "--batch-size", "32"]  # tiny: 1 epoch of the 2000 synthetic digits
 EPOCH_LINE = re.compile(r"^epoch (\d+): train loss (\S+) \| test loss (\S+) \| test accuracy (\S+)% \((\d+)/(\d+)\)$",
                         re.MULTILINE)
@@ -51,7 +51,7 @@ def test_the_diff_is_only_accelerate_lines():
         f"removed lines that are not device setup or loss.backward(): {not_counterparts}\n{text}"
     # The few lines are the whole distributed API, not a subset that happens to run on 1 process.
     for needed in ("from accelerate import Accelerator", "Accelerator(", "accelerator.prepare(",
-                   "accelerator.backward(loss)", "accelerator.gather_for_metrics("):
+                   "accelerator.backward(loss)", "accelerator.gather_for_metrics(", "accelerator.end_training()"):
         assert any(needed in line for line in added), f"no {needed!r} among the added lines:\n{text}"
     # The docstring (the same in both files) states the size of the change: keep it true.
     assert f"{len(added)} added lines" in ast.get_docstring(ast.parse(TORCH_ONLY.read_text()))
@@ -124,8 +124,7 @@ def test_with_accelerate_launched_as_two_processes(config, distributed_type, mni
     cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), *route_args, *FP32,
            str(WITH_ACCELERATE), "--data-dir", str(mnist_root), *TRAINING]
     returncode, output = run_command(cmd, env=route_env, timeout=600)
-    assert returncode == 0, f"launch failed ({returncode}):\n{output[-6000:]}"
-    assert "terminate called" not in output, output[-3000:]
+    assert returncode == 0, f"launch failed ({returncode}):\n{output[-6000:]}"  # run_command: no process aborted
     # accelerator.state and the epoch line come once, from the main process, not once per process.
     assert output.count("Distributed environment:") == 1, output[-6000:]
     assert f"Distributed environment: DistributedType.{distributed_type}" in output, output[-6000:]

@@ -22,6 +22,7 @@ from launching import (
     REPO,
     TRAINING,
     Run,
+    check_exit,
     cpu_route,
     deepspeed_json_in,
     recipe_processes,
@@ -302,7 +303,14 @@ def submit(cluster, sbatch_args, launch_args, data_dir, out_dir, env=None, wait=
     if not wait:
         return job, log
     state, _ = cluster.wait(job, timeout=400)
-    return state, log.read_text(), job
+    return state, job_log(log), job
+
+
+def job_log(log):
+    """A finished job's output, once checked that none of its processes aborted (launching.check_exit)."""
+    text = log.read_text()
+    check_exit(text, f"the Slurm job logging to {log}")
+    return text
 
 
 def summary(out_dir):
@@ -374,7 +382,7 @@ def test_two_jobs_on_one_node_at_once(one_node, data_dir, tmp_path):
         for pid in held:
             os.kill(pid, signal.SIGCONT)
     results = {name: one_node.wait(job, timeout=400)[0] for name, (job, _) in jobs.items()}
-    logs = {name: log.read_text() for name, (_, log) in jobs.items()}
+    logs = {name: job_log(log) for name, (_, log) in jobs.items()}
     for name, state in results.items():
         assert state == "COMPLETED", logs[name]
     for name, (job, _) in jobs.items():  # nothing a completed job started lives on (the timer's sleep included)
@@ -480,7 +488,7 @@ def test_preflight_on_two_slurm_nodes(two_nodes, tmp_path):
                             "accelerate_configs/multinode.yaml", "launch/preflight.py", "--max-bytes", "65536"],
                            cwd=REPO, env={"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"})
     state, _ = two_nodes.wait(job, timeout=400)
-    text = log.read_text()
+    text = job_log(log)
     assert state == "COMPLETED", text
     rows = [line for line in text.splitlines() if line.startswith("rank ")]
     assert sorted(row.split("| host ")[1].split()[0] for row in rows) == ["node1", "node2"], text
@@ -652,7 +660,7 @@ def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir
             moved = two_nodes.run(["scontrol", "update", f"JobId={job}", setting])
             assert moved.returncode == 0, moved.stderr
     state, fields = wait_final(two_nodes, job)
-    text = log.read_text()
+    text = job_log(log)
     assert state == "COMPLETED", text
     assert fields["Restarts"] == "1", fields
     stopped, resumed_run = runs_of(text)
@@ -716,7 +724,7 @@ def test_time_limit_warning_requeues_until_done(one_node, data_dir, tmp_path):
                       [str(config), RECIPE], data_dir, out, wait=False, training=training,
                       env={**CPU_ROUTE_DDP, "STOP_BEFORE_LIMIT": "75", "TEST_STEP_SECONDS": "1"})
     state, fields = wait_final(one_node, job, timeout=900)
-    text = log.read_text()
+    text = job_log(log)
     assert state == "COMPLETED", text
     restarts = int(fields["Restarts"])
     assert restarts >= 1, fields

@@ -1,6 +1,6 @@
 r"""Quickstart: MNIST in plain PyTorch (torch_only.py) and the same file with Accelerate (with_accelerate.py).
 
-`diff -u torch_only.py with_accelerate.py` is the whole change: 8 added lines, each naming accelerate.
+`diff -u torch_only.py with_accelerate.py` is the whole change: 9 added lines, each naming accelerate.
     python recipes/quickstart/torch_only.py                    # 1 process: the GPU if there is one, else CPU
     python recipes/quickstart/with_accelerate.py               # the same, through accelerate
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/quickstart/with_accelerate.py
@@ -85,6 +85,7 @@ def main():
                 count += len(target)
         print(f"epoch {epoch}: train loss {train_loss / batches:.4f} | test loss {test_loss / count:.4f} | "
               f"test accuracy {100 * correct / count:.2f}% ({correct}/{count})")
+    accelerator.end_training()  # destroys the process group, so every process exits cleanly
 
 
 if __name__ == "__main__":

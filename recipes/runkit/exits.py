@@ -4,9 +4,11 @@ Owns:
   * fail: one clear line from the main process and the same non-zero exit on every rank;
   * main_print: print() on the main process only;
   * report: the line on stderr and in torch elastic's error file, so the launcher's summary ends with it;
-  * teardown: the process group destroyed while the interpreter is still alive.
+  * teardown: the end of every run: the process group destroyed and, in a run of several processes, the
+    process ended without Python's interpreter finalization (see teardown's docstring for why).
 """
 
+import atexit
 import json
 import os
 import sys
@@ -33,8 +35,7 @@ def fail(accelerator, message, code=2, everyone=False):
     report(message, accelerator.is_main_process)
     if everyone and accelerator.num_processes > 1:
         accelerator.wait_for_everyone()
-    accelerator.end_training()  # tear down the process group before exiting
-    sys.exit(code)
+    sys.exit(teardown(accelerator, code))
 
 
 def report(message, main):
@@ -52,9 +53,25 @@ def report(message, main):
             pass  # the message is on stderr anyway
 
 
-def teardown(accelerator):
-    """Destroy the process group while the interpreter is alive: left to interpreter shutdown, gloo's C++
-    side is torn down after Python and can abort a run that succeeded ("terminate called without an
-    active exception")."""
+def teardown(accelerator, code=0):
+    """The end of a run on every rank: memory freed, trackers closed, the process group destroyed; returns `code`
+    in a run of one process, and ends the process with it in a run of several.
+
+    Why several processes end here, without Python's interpreter finalization: gloo's worker threads (the
+    pt_gloo_runloop threads that run every collective on a CPU) wake the caller when a collective is done and
+    only then drop their reference to it. If the caller has already dropped the tensors, that drop frees their
+    Python objects, which needs the GIL; when it lands as the interpreter starts finalizing, CPython ends the
+    thread inside a C++ destructor and the process aborts: "terminate called without an active exception",
+    SIGABRT, a failed launch after the work was done (torch issue #190489). destroy_process_group does not stop
+    those threads while anything else holds the group (a DDP module, DeepSpeed's groups, FSDP's mesh do), so the
+    rank that leaves right after its last collective could meet it. Here the atexit handlers still run (trackers,
+    logging, DataLoader workers), the output is flushed, and os._exit ends the process with no finalization for a
+    thread to fall into. One process has no process group, and returns normally."""
     accelerator.free_memory()
     accelerator.end_training()
+    if accelerator.num_processes == 1:
+        return code
+    atexit._run_exitfuncs()  # what interpreter exit runs first, while everything is alive
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

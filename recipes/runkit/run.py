@@ -218,8 +218,7 @@ class Run:
                    f"changed. To train again, give another --checkpoint-dir.")
         if self.lock:
             self.lock.release()
-        teardown(self.accelerator)
-        sys.exit(0)
+        sys.exit(teardown(self.accelerator, 0))
 
     def _train_time(self):
         return self.state["train_time"] + time.perf_counter() - self.train_start
@@ -363,15 +362,14 @@ class Run:
     def finish(self, model, exclude=(), export=None, **summary):
         """Collective. After a stop: the message and exit code 75 (1 without checkpoints). Otherwise
         model.safetensors (ZeRO-3 and FSDP shards gathered; or export(weights) on the main process, returning
-        its path), summary.json with the SUMMARY line, and where every result went. Returns the exit code."""
+        its path), summary.json with the SUMMARY line, and where every result went. Returns the exit code (a run
+        of several processes ends in it with that code: exits.teardown)."""
         acc, args, s = self.accelerator, self.args, self.state
         train_time = self._train_time()
         self.profiler.stop()
         self.bar.close()
         if self.stopping:
-            code = stopped(acc, self.stopper, s["step"], args.checkpoint_dir)
-            teardown(acc)
-            return code
+            return teardown(acc, stopped(acc, self.stopper, s["step"], args.checkpoint_dir))
         self.stopper.ignore_from_now()
         if self._evaluation_due("end"):
             self._evaluate("end")
@@ -416,8 +414,7 @@ class Run:
                        if os.path.exists(os.path.join(out, name))]
             self.print("results: " + ", ".join(results + [exported]))
         self.checkpointer.release()
-        teardown(acc)
-        return 0
+        return teardown(acc, 0)
 
 
 def _shown(key, value):
