@@ -430,7 +430,7 @@ def main(argv=None):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
         # non_blocking with pinned batches: the copy to the GPU is queued, the host does not wait for the GPU
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, non_blocking=True))
-    run.setup(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum, max_grad_norm=args.max_grad_norm)
+    run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm)
     set_seed(args.seed)
     if error:
         run.fail(error)
@@ -493,7 +493,7 @@ def main(argv=None):
     positions = len(train_set) * (args.block_size - 1)  # positions with a target
     loss_share = sum(train_set.with_format(None)["in_loss"]) / positions
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=args.max_steps,
-              epochs=math.ceil(args.max_steps / steps_per_epoch), samples_per_micro=micro * args.block_size,
+              units_per_sample=args.block_size,
               flops_per_unit=flops_per_token, peak_tflops=args.peak_tflops, eval_every=args.eval_every,
               evaluate=lambda: evaluate(model, val_loader, accelerator),
               describe=f"{args.model}: {n_params / 1e6:.3g} M parameters | {fmt}: {source}, {len(train_set)} "

@@ -27,6 +27,7 @@ log window and the last evaluation: a resumed run writes the same metrics, line 
 
 import contextlib
 import itertools
+import math
 import os
 import sys
 import time
@@ -122,18 +123,19 @@ class Run:
         self.model_init = BUILT_WHOLE
 
     # ---- before prepare() -------------------------------------------------------------------------
-    def setup(self, accelerator, *, batch_size, grad_accum=1, max_grad_norm=0.0, eval_batch_size=None,
-              refuse_offload=None):
+    def setup(self, accelerator, *, batch_size, max_grad_norm=0.0, eval_batch_size=None, refuse_offload=None):
         """Launch checks (no rank trains alone, the global batch divides), DeepSpeed clipping like
         max_grad_norm, the output directory, and --checkpoint-dir's lock. refuse_offload: (why, instead)
-        for SGD recipes."""
+        for SGD recipes. The accumulation steps are the Accelerator's, read here, before prepare(): a DeepSpeed
+        config that says otherwise is refused in start()."""
         self.accelerator, self.print = accelerator, main_print(accelerator)
-        self.batch_size, self.grad_accum, self.max_grad_norm = batch_size, grad_accum, max_grad_norm
+        self.batch_size, self.max_grad_norm = batch_size, max_grad_norm
+        self.grad_accum = accelerator.gradient_accumulation_steps
         check_launch(accelerator)
         quiet_deprecated_collectives()
         if refuse_offload:
             refuse_optimizer_offload(accelerator, *refuse_offload)
-        check_batch(accelerator, batch_size, grad_accum, eval_batch_size)
+        check_batch(accelerator, batch_size, self.grad_accum, eval_batch_size)
         deepspeed_clip_like(accelerator, max_grad_norm)
         fsdp_reduce_in_fp32(accelerator)
         self.engine = engine(accelerator)
@@ -159,11 +161,12 @@ class Run:
         fail(self.accelerator, message)
 
     # ---- after prepare() --------------------------------------------------------------------------
-    def start(self, model, optimizer, scheduler, *, steps_per_epoch, total_steps, epochs, samples_per_micro,
+    def start(self, model, optimizer, scheduler, *, steps_per_epoch, total_steps, units_per_sample=1,
               data_facts=None, describe="", evaluate=None, eval_every=0, flops_per_unit=0, peak_tflops=0.0):
         """Check what prepare() built, resume from a checkpoint if there is one, open the logs and print
-        the run's first line. data_facts: what the flags do not say about the data (its source, its size),
-        which a resumed run must share. evaluate() returns a dict of metrics; it runs every eval_every
+        the run's first line. units_per_sample: how many of the run's units one sample holds (a sequence's
+        tokens), for the throughput. data_facts: what the flags do not say about the data (its source, its
+        size), which a resumed run must share. evaluate() returns a dict of metrics; it runs every eval_every
         steps and at the last, or (eval_every 0) at each epoch's end, and always on every rank."""
         acc, args = self.accelerator, self.args
         self.seed = torch.initial_seed()  # the recipe's set_seed(); a checkpoint's RNG state keeps it too
@@ -172,8 +175,12 @@ class Run:
         self.optimizer = optimizer
         cast_buffers_for_half_precision(acc, model)
         self.engine.update(gradient_sync(acc, model))
-        self.steps_per_epoch, self.total_steps, self.epoch_count = steps_per_epoch, total_steps, epochs
-        self.samples_per_micro, self.flops_per_unit, self.peak_tflops = samples_per_micro, flops_per_unit, peak_tflops
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        # The epochs the loader is restarted for: as many as the steps need (none when an epoch has no step).
+        self.epoch_count = math.ceil(total_steps / steps_per_epoch) if steps_per_epoch else 0
+        # Global samples (or tokens) per forward pass, for the throughput.
+        self.samples_per_micro = self.batch_size // self.grad_accum * units_per_sample
+        self.flops_per_unit, self.peak_tflops = flops_per_unit, peak_tflops
         self.evaluate_fn, self.eval_every = evaluate, eval_every
         must_match = settings(args, self.may_change, data_facts or {})
         self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock,
