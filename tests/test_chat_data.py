@@ -1,13 +1,12 @@
-"""recipes/finetune_lm.py's data: chat conversations learned on their assistant turns only, the format read from
-the columns, values of the wrong type refused with one message, the examples --block-size cuts counted, and a
---block-size that fits the model by default.
+"""recipes/finetune_data/examples.py, finetune_lm.py's data: chat conversations learned on their assistant turns
+only, the format read from the columns, values of the wrong type refused with one message, the examples
+--block-size cuts counted, and a --block-size that fits the model by default.
 
 Most of it runs in this process on tests/tiny_hf.py's tokenizer (its chat template has {% generation %} markers;
 copies without markers and without a template); two runs of the recipe (python, one process) check what only a
 run shows: a refusal without a traceback, and a chat fine-tune's summary.
 """
 
-import contextlib
 import json
 import math
 import sys
@@ -19,8 +18,15 @@ from run_checks import assert_refused
 from tiny_hf import PLAIN_CHAT_TEMPLATE, conversations, corpus, uneven_pairs, with_chat_template, write_all
 
 sys.path.insert(0, str(REPO / "recipes"))
-import finetune_lm  # noqa: E402
-from finetune_lm import IGNORE, assistant_positions, encode_chat, load_examples, parse_args  # noqa: E402
+from finetune_data.examples import (  # noqa: E402
+    IGNORE,
+    DataProblem,
+    assistant_positions,
+    cut_note,
+    encode_chat,
+    load_examples,
+)
+from finetune_lm import parse_args  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -37,29 +43,15 @@ def tokenizer(root, name):
     return AutoTokenizer.from_pretrained(root / name)
 
 
-class Refused(Exception):
-    pass
-
-
-class OneProcess:
-    """What load_examples needs of the Accelerator and of the Run, in this process."""
-
-    def main_process_first(self):
-        return contextlib.nullcontext()
-
-    def fail(self, message):
-        raise Refused(message)
-
-
 def examples(root, data, *flags, model="model", block_size=64):
     """load_examples on `data` with the recipe's own flags: (train, validation, format, source, cuts)."""
     args = parse_args(["--model", str(root / model), "--data-files", str(root / data), *flags])
-    one = OneProcess()
-    return load_examples(args, one, one, tokenizer(root, model), block_size)
+    return load_examples(args, tokenizer(root, model), block_size)
 
 
 def refusal(root, data, *flags, model="model"):
-    with pytest.raises(Refused) as refused:
+    """The one message of the DataProblem that load_examples raises (the recipe ends the run with it)."""
+    with pytest.raises(DataProblem) as refused:
         examples(root, data, *flags, model=model)
     return str(refused.value)
 
@@ -168,7 +160,7 @@ def test_the_examples_block_size_cuts_are_counted(tiny, data, block):
     total = len(conversations()) if data == "chat.jsonl" else len(uneven_pairs())
     assert cuts == {"tokenised_examples": total, "cut_examples": cut, "dropped_examples": dropped}
     assert len(train) + len(validation) == total - dropped
-    note = finetune_lm.cut_note(cuts, "chat", block)
+    note = cut_note(cuts, "chat", block)
     assert f"{cut} of {total} examples cut at --block-size {block}" in note
     assert (f"{dropped} dropped" in note) == (dropped > 0)
 

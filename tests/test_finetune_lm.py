@@ -134,7 +134,7 @@ def test_labels_are_set_by_position():
     """The pad positions and the prompt are never in the loss, whatever their token ids; the response and
     its end-of-sequence token are, even when the pad token is the end-of-sequence token."""
     sys.path.insert(0, str(REPO / "recipes"))
-    from finetune_lm import IGNORE, encode_pair
+    from finetune_data.examples import IGNORE, encode_pair
     eos = pad = 2
     ids, labels = encode_pair([0, 5, 6], [7, 2, 8], eos, pad, 10)  # a response that contains the eos id
     assert ids == [0, 5, 6, 7, 2, 8, eos, pad, pad, pad]

@@ -68,7 +68,7 @@ from .reporting import (
     write_summary,
 )
 from .resume_rules import reshaped_window, settings
-from .sharded_model import BUILT_WHOLE, sharded_building
+from .sharded_model import BUILT_WHOLE, check_whole_model_fits, sharded_building
 from .stopping import GracefulStop, die_with_launcher, how_to_stop, stopped
 from .timing import StepTimer
 
@@ -155,6 +155,11 @@ class Run:
         with sharded_building(self.accelerator, from_pretrained) as how:
             self.model_init = how
             yield
+
+    def check_whole_model_fits(self, n_params):
+        """Before loading a pretrained model of n_params parameters (and its data): under ZeRO-3 without
+        zero3_init_flag every process loads it whole first; stop if they cannot hold it (sharded_model.py)."""
+        check_whole_model_fits(self.accelerator, n_params)
 
     def fail(self, message):
         """One clear line from the main process; every rank exits 2. Call it on every rank."""
