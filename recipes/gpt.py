@@ -272,7 +272,7 @@ def main(argv=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(  # accelerate
         model, optimizer, train_loader, val_loader, scheduler)
-    stage = run.engine["deepspeed_stage"]
+    stage = run.engine_facts["deepspeed_stage"]
     state_gb = n_params * {None: 20, 1: 4 + 12 / world, 2: 2 + 14 / world, 3: 16 / world}[stage] / 1e9
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
               units_per_sample=block_size,
