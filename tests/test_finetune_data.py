@@ -1,6 +1,7 @@
-"""recipes/finetune_data/examples.py, finetune_lm.py's data: chat conversations learned on their assistant turns
-only, the format read from the columns, values of the wrong type refused with one message, the examples
---block-size cuts counted, and a --block-size that fits the model by default.
+"""recipes/finetune_data/examples.py, finetune_lm.py's data: labels set by position (a pair's prompt and the padding
+never in the loss), chat conversations learned on their assistant turns only, the format read from the columns,
+values of the wrong type refused with one message (DataProblem), the examples --block-size cuts counted, and a
+--block-size that fits the model by default.
 
 Most of it runs in this process on tests/tiny_hf.py's tokenizer (its chat template has {% generation %} markers;
 copies without markers and without a template); two runs of the recipe (python, one process) check what only a
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 
-from launching import REPO, Run, run_command
+from launching import REPO, LaunchResult, run_command
 from run_checks import assert_refused
 from tiny_hf import PLAIN_CHAT_TEMPLATE, conversations, corpus, uneven_pairs, with_chat_template, write_all
 
@@ -24,6 +25,7 @@ from finetune_data.examples import (  # noqa: E402
     assistant_positions,
     cut_note,
     encode_chat,
+    encode_pair,
     load_examples,
 )
 from finetune_lm import parse_args  # noqa: E402
@@ -59,6 +61,17 @@ def refusal(root, data, *flags, model="model"):
 CHAT = [{"role": "system", "content": "You add and multiply."},
         {"role": "user", "content": "Question: what is 3 plus 4?"}, {"role": "assistant", "content": "It is 7."},
         {"role": "user", "content": "Question: what is 6 times 2?"}, {"role": "assistant", "content": "It is 12."}]
+
+
+def test_labels_are_set_by_position():
+    """The pad positions and the prompt are never in the loss, whatever their token ids; the response and
+    its end-of-sequence token are, even when the pad token is the end-of-sequence token."""
+    eos = pad = 2
+    ids, labels = encode_pair([0, 5, 6], [7, 2, 8], eos, pad, 10)  # a response that contains the eos id
+    assert ids == [0, 5, 6, 7, 2, 8, eos, pad, pad, pad]
+    assert labels == [IGNORE] * 3 + [7, 2, 8, eos] + [IGNORE] * 3
+    ids, labels = encode_pair([0, 5, 6], [7, 8, 9], eos, 4, 5)  # cut at the block size: no padding
+    assert ids == [0, 5, 6, 7, 8] and labels == [IGNORE] * 3 + [7, 8]
 
 
 def test_chat_labels_are_the_assistant_turns_by_position(tiny):
@@ -169,7 +182,7 @@ def recipe(tiny, out, *flags):
     cmd = [sys.executable, "recipes/finetune_lm.py", "--model", str(tiny / "model"), "--output-dir", str(out),
            "--max-steps", "6", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "1", "--log-every", "1",
            "--eval-every", "3", "--eval-batches", "2", "--sample-tokens", "6", "--save-dtype", "float32", *flags]
-    return Run(*run_command(cmd), out)
+    return LaunchResult(*run_command(cmd), out)
 
 
 @pytest.mark.slow
