@@ -20,9 +20,10 @@ the exit code. docs/writing-a-recipe.md is the contract; in short:
                 break
     return run.finish(model)                        # model.safetensors, summary, exit code
 
-Run reads from the recipe's namespace only the flags add_run_args() adds (RUN_FLAGS); everything
-else it needs is passed explicitly. Checkpoints hold the step, the position in the epoch, the open
-log window and the last evaluation: a resumed run writes the same metrics, line for line (timings aside).
+Run reads from the recipe's namespace only the flags add_run_args() adds (RUN_FLAGS, flags.py); everything
+else it needs is passed explicitly, or read from the accelerator (its accumulation steps). Checkpoints hold
+the step, the position in the epoch, the open log window and the last evaluation: a resumed run writes the
+same metrics, line for line (timings aside).
 """
 
 import contextlib
