@@ -136,68 +136,95 @@ def enabled(section):
 
 
 def check_deepspeed(raw, ds_json, recipe, problems):
+    """Every trap of a DeepSpeed config: the YAML and its JSON, each part checked in turn."""
     ds_yaml = raw.get("deepspeed_config") or {}
     zero = ds_json.get("zero_optimization", {}) if ds_json else {}
     if ds_json:
-        mixed = [k for k in FILE_EXCLUSIVE_YAML_KEYS if k in ds_yaml]
-        if mixed:
-            problems.error(f"deepspeed_config.{mixed[0]}", "set in the YAML next to deepspeed_config_file; accelerate "
-                           "refuses the mix when the job starts", f"move {', '.join(mixed)} into the JSON file")
+        check_yaml_beside_json(ds_yaml, problems)
+    check_auto_sizes(zero, problems)
+    if ds_json:
+        check_optimizer_blocks(ds_json, problems)
+    check_offload(zero, ds_yaml, ds_json, recipe, problems)
     stage = zero.get("stage", ds_yaml.get("zero_stage"))
-    stage = stage if isinstance(stage, int) else None
+    if isinstance(stage, int) and stage < 3:
+        check_stage3_options(stage, ds_yaml, zero, problems)
+    if ds_json:  # precision: with a DeepSpeed JSON, only the JSON decides
+        check_precision(raw, ds_json, problems)
 
-    for key, number in HIDDEN_SIZE_KEYS.items():  # "auto" values that need a hidden_size
+
+def check_yaml_beside_json(ds_yaml, problems):
+    """Keys of the YAML that accelerate refuses next to a deepspeed_config_file."""
+    mixed = [k for k in FILE_EXCLUSIVE_YAML_KEYS if k in ds_yaml]
+    if mixed:
+        problems.error(f"deepspeed_config.{mixed[0]}", "set in the YAML next to deepspeed_config_file; accelerate "
+                       "refuses the mix when the job starts", f"move {', '.join(mixed)} into the JSON file")
+
+
+def check_auto_sizes(zero, problems):
+    """ZeRO sizes left "auto", which need a hidden_size the recipes' models lack."""
+    for key, number in HIDDEN_SIZE_KEYS.items():
         if zero.get(key) == "auto":
             problems.error(f"zero_optimization.{key}", "is \"auto\", which accelerate computes from "
                            "model.config.hidden_size; the recipes' models are plain nn.Modules without one, so "
                            "prepare() fails", f"write a number, e.g. {number}")
 
+
+def check_optimizer_blocks(ds_json, problems):
+    """An optimizer or scheduler block, which replaces the recipe's torch optimizer or scheduler."""
     for block, dummy in (("optimizer", "DummyOptim"), ("scheduler", "DummyScheduler")):
-        if ds_json and block in ds_json:
+        if block in ds_json:
             problems.error(block, f"a DeepSpeed {block} block makes accelerate expect accelerate.utils.{dummy} in "
                            f"the script; the recipes build a torch {block}, and prepare() refuses it",
                            f"delete the \"{block}\" block; the recipe's flags (--lr, ...) set the {block}")
 
+
+def check_offload(zero, ds_yaml, ds_json, recipe, problems):
+    """Optimizer offload, which swaps the recipe's torch optimizer for DeepSpeedCPUAdam."""
     offload = zero.get("offload_optimizer", {}).get("device") if zero else ds_yaml.get("offload_optimizer_device")
-    if offload not in (None, "none") and (ds_json or {}).get("zero_force_ds_cpu_optimizer", True) is not False:
-        optimizers = recipe_optimizers(recipe) if recipe else set()
-        foreign = sorted(optimizers - {"Adam", "AdamW"})
-        if foreign:
-            problems.error("offload_optimizer_device" if not zero else "zero_optimization.offload_optimizer",
-                           f"optimizer offload ({offload}) makes accelerate replace {recipe}'s torch.optim."
-                           f"{'/'.join(foreign)} by DeepSpeedCPUAdam, a different algorithm, without a word",
-                           "use a config without optimizer offload (deepspeed_zero3.yaml), or set "
-                           "\"zero_force_ds_cpu_optimizer\": false in a DeepSpeed JSON to keep the torch optimizer")
-        else:
-            problems.note(f"optimizer offload ({offload}): accelerate replaces the recipe's torch optimizer by "
-                          f"DeepSpeedCPUAdam (the AdamW update, on the CPU); recipes built on SGD refuse it")
+    if offload in (None, "none") or (ds_json or {}).get("zero_force_ds_cpu_optimizer", True) is False:
+        return
+    optimizers = recipe_optimizers(recipe) if recipe else set()
+    foreign = sorted(optimizers - {"Adam", "AdamW"})
+    if foreign:
+        problems.error("offload_optimizer_device" if not zero else "zero_optimization.offload_optimizer",
+                       f"optimizer offload ({offload}) makes accelerate replace {recipe}'s torch.optim."
+                       f"{'/'.join(foreign)} by DeepSpeedCPUAdam, a different algorithm, without a word",
+                       "use a config without optimizer offload (deepspeed_zero3.yaml), or set "
+                       "\"zero_force_ds_cpu_optimizer\": false in a DeepSpeed JSON to keep the torch optimizer")
+    else:
+        problems.note(f"optimizer offload ({offload}): accelerate replaces the recipe's torch optimizer by "
+                      f"DeepSpeedCPUAdam (the AdamW update, on the CPU); recipes built on SGD refuse it")
 
-    if stage is not None and stage < 3:
-        for key, unset in STAGE3_YAML_KEYS.items():
-            if ds_yaml.get(key, None) not in unset:
-                problems.error(f"deepspeed_config.{key}", f"is a ZeRO-3 option, and zero_stage is {stage}: "
-                               f"DeepSpeed ignores it silently", "remove it, or set zero_stage: 3")
-        for key in sorted(zero):
-            if key.startswith("stage3_") or (key == "offload_param" and zero[key].get("device", "none") != "none"):
-                problems.error(f"zero_optimization.{key}", f"is a ZeRO-3 option, and the stage is {stage}: DeepSpeed "
-                               "ignores it silently", "remove it, or set \"stage\": 3")
 
-    if ds_json:  # precision: with a DeepSpeed JSON, only the JSON decides
-        states = {dtype: enabled(ds_json.get(dtype)) for dtype in ("fp16", "bf16")}
-        json_says = next((dtype for dtype, state in states.items() if state), "no")
-        if "mixed_precision" in raw:
-            yaml_says = raw["mixed_precision"] or "no"
-            agree = yaml_says == json_says and not (yaml_says != "no" and states.get(yaml_says) is False)
-            problems.error("mixed_precision", (f"the YAML says {yaml_says} but the DeepSpeed JSON says {json_says} "
-                           f"(fp16.enabled={states['fp16']}, bf16.enabled={states['bf16']})" if not agree else
-                           "set in the YAML next to deepspeed_config_file") + "; accelerate refuses "
-                           "mixed_precision in the YAML next to a DeepSpeed JSON when the job starts",
-                           "remove mixed_precision from the YAML and set \"bf16\" or \"fp16\" {\"enabled\": true} "
-                           "in the JSON")
-        if any(state is not None for state in states.values()):
-            problems.note(f"precision comes from the DeepSpeed JSON ({json_says}); "
-                          "`accelerate launch --mixed_precision` "
-                          f"does not override it (fp16 against a bf16 JSON is an error; accelerate 1.15)")
+def check_stage3_options(stage, ds_yaml, zero, problems):
+    """ZeRO-3 options under stage 1 or 2, which DeepSpeed ignores silently."""
+    for key, unset in STAGE3_YAML_KEYS.items():
+        if ds_yaml.get(key, None) not in unset:
+            problems.error(f"deepspeed_config.{key}", f"is a ZeRO-3 option, and zero_stage is {stage}: "
+                           f"DeepSpeed ignores it silently", "remove it, or set zero_stage: 3")
+    for key in sorted(zero):
+        if key.startswith("stage3_") or (key == "offload_param" and zero[key].get("device", "none") != "none"):
+            problems.error(f"zero_optimization.{key}", f"is a ZeRO-3 option, and the stage is {stage}: DeepSpeed "
+                           "ignores it silently", "remove it, or set \"stage\": 3")
+
+
+def check_precision(raw, ds_json, problems):
+    """mixed_precision in the YAML next to a DeepSpeed JSON, and where the precision comes from."""
+    states = {dtype: enabled(ds_json.get(dtype)) for dtype in ("fp16", "bf16")}
+    json_says = next((dtype for dtype, state in states.items() if state), "no")
+    if "mixed_precision" in raw:
+        yaml_says = raw["mixed_precision"] or "no"
+        consistent = yaml_says == json_says and not (yaml_says != "no" and states.get(yaml_says) is False)
+        problems.error("mixed_precision", (f"the YAML says {yaml_says} but the DeepSpeed JSON says {json_says} "
+                       f"(fp16.enabled={states['fp16']}, bf16.enabled={states['bf16']})" if not consistent else
+                       "set in the YAML next to deepspeed_config_file") + "; accelerate refuses "
+                       "mixed_precision in the YAML next to a DeepSpeed JSON when the job starts",
+                       "remove mixed_precision from the YAML and set \"bf16\" or \"fp16\" {\"enabled\": true} "
+                       "in the JSON")
+    if any(state is not None for state in states.values()):
+        problems.note(f"precision comes from the DeepSpeed JSON ({json_says}); "
+                      "`accelerate launch --mixed_precision` "
+                      f"does not override it (fp16 against a bf16 JSON is an error; accelerate 1.15)")
 
 
 def check(config, recipe=None):

@@ -118,6 +118,12 @@ def gather_facts(store, facts, rank, world, host, port, timeout):
         fail(facts["problem"])
     if rank != 0:
         return None
+    return collect_facts(store, prefix, facts, world, host, port, timeout)
+
+
+def collect_facts(store, prefix, facts, world, host, port, timeout):
+    """Rank 0: every rank's facts, once each has left them. A rank that never came, or one with a problem or
+    another world size or backend, ends the preflight, after every rank has read rank 0's facts."""
     missing = []
     deadline = time.monotonic() + timeout
     for other in range(1, world):

@@ -167,49 +167,12 @@ def check_port_free(port):
 
 def plan(args, env, resolve=True):
     """Return (command, extra environment) for this task, or raise LaunchError."""
-    if "SLURM_JOB_ID" not in env:
-        raise LaunchError("not inside a Slurm job (SLURM_JOB_ID is unset): submit it with sbatch, "
-                          "see launch/single_node.sbatch")
-    if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
-        raise LaunchError("run inside a job step: `srun --kill-on-bad-exit=1 python3 launch/slurm_launch.py ...`")
-    if not os.path.isfile(args.config):
-        raise LaunchError(f"config file {args.config!r} does not exist (see accelerate_configs/)")
-    try:
-        with open(args.config) as f:
-            config = yaml.safe_load(f)
-        distributed_type = config["distributed_type"]
-    except (yaml.YAMLError, TypeError, KeyError) as exc:
-        raise LaunchError(f"{args.config} is not an accelerate config ({exc})") from None
-    if not os.path.isfile(args.recipe):
-        raise LaunchError(f"recipe {args.recipe!r} does not exist")
-    errors, _ = check_config.check(args.config, args.recipe)  # the traps that would bite only after start-up
-    if errors:
-        raise LaunchError(errors[0] + (f" (and {len(errors) - 1} more problem(s): python3 launch/check_config.py "
-                                       f"{args.config} --recipe {args.recipe})" if len(errors) > 1 else ""))
-
+    distributed_type = check_job(args, env)
     nodes = int(require(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
     node_rank = int(require(env, "SLURM_NODEID"))
-    main_host = first_host(require(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
-    if resolve and not args.dry_run:
-        try:  # every rank connects to this name; a name the node cannot resolve would hang until the timeout
-            socket.getaddrinfo(main_host, None)
-        except socket.gaierror as exc:
-            raise LaunchError(f"this node cannot resolve the job's first host {main_host!r} ({exc}); "
-                              f"the processes could never meet") from None
-    port = job_port(env, args.port)
-    if not 1024 < port < 65536:
-        raise LaunchError(f"rendezvous port {port} is not a usable port: give one between 1025 and 65535")
-    if resolve and not args.dry_run and hosts_rendezvous(args, env):
-        check_port_free(port)
+    main_host, port = rendezvous_address(args, env, resolve)
     ntasks_node = tasks_per_node(env)
-    gpus = count_gpus(env)
-    on_cpu = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
-    if distributed_type in GPU_TYPES and gpus == 0 and not (on_cpu or args.processes_per_node):
-        raise LaunchError(f"{args.config} is a GPU config ({distributed_type}) but Slurm gave this task no GPU: "
-                          f"the processes would train as independent copies. Ask for GPUs (--gres=gpu:N) or, "
-                          f"on a CPU-only cluster, set ACCELERATE_USE_CPU=1 and --processes-per-node.")
-    per_node = args.processes_per_node or gpus or 1
-
+    per_node = processes_per_node(args, env, distributed_type)
     if args.mode == "per-node":
         if ntasks_node != 1:
             raise LaunchError(f"mode per-node needs one task per node, this step has {ntasks_node}: use "
@@ -234,6 +197,59 @@ def plan(args, env, resolve=True):
              "MASTER_ADDR": main_host, "MASTER_PORT": str(port),
              "OMP_NUM_THREADS": str(threads_per_process(env, 1))}
     return [sys.executable, args.recipe, *args.recipe_args], {**accelerate_env(args.config, nodes, world), **ranks}
+
+
+def check_job(args, env):
+    """The config's distributed type, once this task is a job step and the config and the recipe are usable."""
+    if "SLURM_JOB_ID" not in env:
+        raise LaunchError("not inside a Slurm job (SLURM_JOB_ID is unset): submit it with sbatch, "
+                          "see launch/single_node.sbatch")
+    if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
+        raise LaunchError("run inside a job step: `srun --kill-on-bad-exit=1 python3 launch/slurm_launch.py ...`")
+    if not os.path.isfile(args.config):
+        raise LaunchError(f"config file {args.config!r} does not exist (see accelerate_configs/)")
+    try:
+        with open(args.config) as f:
+            config = yaml.safe_load(f)
+        distributed_type = config["distributed_type"]
+    except (yaml.YAMLError, TypeError, KeyError) as exc:
+        raise LaunchError(f"{args.config} is not an accelerate config ({exc})") from None
+    if not os.path.isfile(args.recipe):
+        raise LaunchError(f"recipe {args.recipe!r} does not exist")
+    errors, _ = check_config.check(args.config, args.recipe)  # the traps that would bite only after start-up
+    if errors:
+        raise LaunchError(errors[0] + (f" (and {len(errors) - 1} more problem(s): python3 launch/check_config.py "
+                                       f"{args.config} --recipe {args.recipe})" if len(errors) > 1 else ""))
+    return distributed_type
+
+
+def rendezvous_address(args, env, resolve):
+    """(main host, port) where every process meets: the job's first host, resolvable from here, and a usable
+    port, free on the task that listens on it."""
+    main_host = first_host(require(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
+    if resolve and not args.dry_run:
+        try:  # every rank connects to this name; a name the node cannot resolve would hang until the timeout
+            socket.getaddrinfo(main_host, None)
+        except socket.gaierror as exc:
+            raise LaunchError(f"this node cannot resolve the job's first host {main_host!r} ({exc}); "
+                              f"the processes could never meet") from None
+    port = job_port(env, args.port)
+    if not 1024 < port < 65536:
+        raise LaunchError(f"rendezvous port {port} is not a usable port: give one between 1025 and 65535")
+    if resolve and not args.dry_run and hosts_rendezvous(args, env):
+        check_port_free(port)
+    return main_host, port
+
+
+def processes_per_node(args, env, distributed_type):
+    """--processes-per-node, or the GPUs Slurm gave this task (1 without); a GPU config without a GPU is refused."""
+    gpus = count_gpus(env)
+    on_cpu = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if distributed_type in GPU_TYPES and gpus == 0 and not (on_cpu or args.processes_per_node):
+        raise LaunchError(f"{args.config} is a GPU config ({distributed_type}) but Slurm gave this task no GPU: "
+                          f"the processes would train as independent copies. Ask for GPUs (--gres=gpu:N) or, "
+                          f"on a CPU-only cluster, set ACCELERATE_USE_CPU=1 and --processes-per-node.")
+    return args.processes_per_node or gpus or 1
 
 
 def accelerate_env(config_file, nodes, world):

@@ -99,7 +99,7 @@ def main(argv=None):
         with open(os.path.join(args.output_dir, "shards.json"), "w") as f:
             json.dump(epochs, f)
         reporting.write_summary(args.output_dir, {
-            "recipe": "data_sharding", **engines.engine(accelerator),
+            "recipe": "data_sharding", **engines.engine_facts(accelerator),
             "steps_per_epoch": [len(e["batches_per_rank"][0]) for e in epochs],
             "samples_per_rank": epochs[0]["samples_per_rank"], "repeated_per_epoch": [e["repeated"] for e in epochs],
             "missing_per_epoch": [len(e["missing"]) for e in epochs],

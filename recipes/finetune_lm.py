@@ -17,20 +17,17 @@
 under ZeRO-3 with zero3_init_flag (deepspeed_zero3*.yaml) transformers loads the model partitioned;
 under FSDP2 prepare() shards the main process's copy. The summary has the loading's peak memory.
 
-Data through `datasets`: --data-files (text or JSON Lines, globs, comma-separated) or --dataset (hub).
---format auto reads the columns: `messages` (--messages-column), lists of {role, content} turns, is chat,
-rendered with the tokenizer's chat template, the loss on the assistant turns and their end-of-turn
-tokens only (from the template's {% generation %} markers, or else from rendering each conversation's
-prefixes); prompt/response records are pairs, the loss on the response and its end-of-sequence token;
-plain text is packed into blocks. Examples are padded to --block-size (default: the model's context, at
-most 1024); labels are set by position, not token id: padding never counts. The first line and the
-summary (cut_examples, dropped_examples) count the examples whose last response --block-size cut, and
-those dropped with nothing left to learn. The result, OUTPUT_DIR/model, is save_pretrained (safetensors)
-with the tokenizer, gathered from every rank. tokens/s counts every position (padding too); MFU: --peak-tflops.
-The loss is the mean over every loss token of the whole optimizer step (all micro-batches, all ranks): 1
-process, --grad-accum and N processes agree. LoRA (--lora-r, through PEFT): the base frozen in the dtype it
-is loaded in (the config's compute dtype), fp32 adapters alone in the optimizer, OUTPUT_DIR/adapter in
-PEFT's format, --merge-lora also OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2.
+Data through `datasets` (finetune_data/examples.py): --data-files (text or JSON Lines, globs) or --dataset
+(hub); --format auto reads the columns: conversations are chat (the loss on the assistant turns and their
+end-of-turn tokens), prompt/response records are pairs (the loss on the response and its end), plain text is
+packed. Examples are padded to --block-size (default: the model's context, at most 1024); labels are set by
+position, so padding never counts; the first line and the summary count the examples --block-size cut or
+dropped. The result, OUTPUT_DIR/model, is save_pretrained (safetensors) with the tokenizer, gathered from
+every rank. tokens/s counts every position (padding too); MFU: --peak-tflops. The loss is the mean over
+every loss token of the whole optimizer step (all micro-batches, all ranks): 1 process, --grad-accum and N
+processes agree. LoRA (--lora-r, through PEFT: lora/adapters.py): the base frozen in the dtype it is loaded
+in (the config's compute dtype), fp32 adapters alone in the optimizer, OUTPUT_DIR/adapter in PEFT's format,
+--merge-lora also OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2.
 
 Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
 fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3
@@ -41,11 +38,10 @@ Result: loss 5.74 to 0.39 (first CPU command), LoRA 3.49 to 1.38 (last), measure
 """
 
 import argparse
-import glob
+import functools
 import itertools
 import math
 import os
-import re
 import sys
 from datetime import timedelta
 
@@ -55,10 +51,9 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast, set_seed
 from torch.utils.data import DataLoader
 
+from finetune_data.examples import IGNORE, DataProblem, add_data_args, cut_note, load_examples
+from lora.adapters import LoraProblem, add_lora_args, merge_adapters, with_lora
 from runkit import Run, add_run_args
-
-IGNORE = -100  # label of a position that is not in the loss (cross_entropy's ignore_index)
-
 
 # Flags a resumed run may change: they act after training or only on what is reported.
 AFTER_TRAINING = {"sample_tokens": "the answer at the end", "save_dtype": "the exported model",
@@ -71,18 +66,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="Qwen/Qwen2.5-0.5B",
                    help="hub id, or a local directory written by save_pretrained")
-    p.add_argument("--data-files", default=None, help="local .txt or .jsonl/.json files or globs, comma-separated")
-    p.add_argument("--dataset", default=None, help="a Hugging Face hub dataset (needs internet)")
-    p.add_argument("--dataset-config", default=None, help="its configuration name")
-    p.add_argument("--format", choices=("auto", "chat", "pairs", "text"), default="auto",
-                   help="chat: conversations in the tokenizer's chat template, the assistant turns learned; pairs: "
-                        "prompt/response records; text: packed plain text; auto: chat when the records have "
-                        "--messages-column, pairs when they have the prompt and response columns, else text")
-    p.add_argument("--messages-column", default="messages",
-                   help="chat: the column with each conversation, a list of {role, content} turns")
-    p.add_argument("--prompt-column", default="prompt", help="pairs: the column with the prompt")
-    p.add_argument("--response-column", default="response", help="pairs: the column with the response to learn")
-    p.add_argument("--text-column", default="text", help="text: the column with the text")
+    add_data_args(p)  # --data-files or --dataset, --format and the columns (finetune_data/examples.py)
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per sequence, at most the model's context (default: 1024, or the context if shorter)")
     p.add_argument("--max-steps", type=int, default=1000, help="optimizer steps")
@@ -93,15 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (0: no clipping)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
-    p.add_argument("--lora-r", type=int, default=0,
-                   help="LoRA rank: train low-rank adapters on a frozen base model (0: a full fine-tune)")
-    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA: the adapters' output is scaled by alpha/r")
-    p.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA: dropout on the adapters' input")
-    p.add_argument("--lora-targets", default="all-linear",
-                   help="LoRA: comma-separated names of the linear layers to adapt (all-linear: every linear "
-                        "layer of the decoder blocks)")
-    p.add_argument("--merge-lora", action="store_true",
-                   help="LoRA: also export the base model with the adapters merged in, to OUTPUT_DIR/model")
+    add_lora_args(p)  # --lora-r and the adapters' settings (lora/adapters.py)
     p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=10, help="global batches of held-out data per evaluation")
     p.add_argument("--peak-tflops", type=float, default=0.0,
@@ -119,135 +95,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def encode_pair(prompt, response, eos, pad_id, block_size):
-    """(input_ids, labels) of a prompt/response pair, block_size long. Labels by position: the prompt and the padding
-    are IGNORE whatever their ids, so a pad token that is also the end-of-sequence token is learned only as the end."""
-    return encode_chat(prompt + response + [eos], [False] * len(prompt) + [True] * (len(response) + 1), pad_id,
-                       block_size)
-
-
-def encode_chat(ids, learned, pad_id, block_size):
-    """(input_ids, labels) of a rendered conversation, block_size long: learned[i] says whether position i is in
-    the loss (an assistant turn's token, or the end of its turn); labels by position, as encode_pair's."""
-    labels = [t if keep else IGNORE for t, keep in zip(ids, learned)][:block_size]
-    pad = block_size - len(labels)
-    return ids[:block_size] + [pad_id] * pad, labels + [IGNORE] * pad
-
-
-class DataProblem(ValueError):
-    """A record the chosen format cannot use: reported as one message, never as a tokenizer's traceback."""
-
-
-def assistant_positions(tokenizer, messages):
-    """(ids, learned) of a conversation in the tokenizer's chat template; learned marks the assistant turns and
-    their end-of-turn tokens. The template's {% generation %} markers say where they are when it has them;
-    otherwise each assistant turn is what it adds to the conversation before it rendered with the generation
-    prompt (character spans, so a token merged across a boundary cannot shift the labels)."""
-    if re.search(r"\{%-?\s*generation\s*-?%\}", tokenizer.get_chat_template()):
-        rendered = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
-        return rendered["input_ids"], [bool(m) for m in rendered["assistant_masks"]]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
-        if not (through.startswith(before) and text.startswith(through)):  # a template that rewrites history
-            raise DataProblem("the chat template renders a conversation's start differently once it goes on, so "
-                              "its assistant turns cannot be found; add {% generation %} ... {% endgeneration %} "
-                              "around the assistant content and its end-of-turn token in the template")
-        spans.append((len(before), len(through)))
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return encoded["input_ids"], [any(a <= start < b for a, b in spans) for start, _ in encoded["offset_mapping"]]
-
-
-def is_conversation(value):
-    return isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
-
-
-def value_problem(column, value, conversation):
-    """Why a record's `column` value cannot be used (a conversation when `conversation`, else text), or None."""
-    if conversation:
-        if is_conversation(value):
-            return None
-        if isinstance(value, str):
-            return (f"the column {column!r} holds text, not conversations (lists of {{role, content}} turns): "
-                    f"use --format text --text-column {column}, or --format pairs")
-        return f"the column {column!r} holds {value!r:.60}, not a list of {{role, content}} turns with text content"
-    if isinstance(value, str):
-        return None
-    if value and is_conversation(value):
-        return (f"the column {column!r} holds conversations (lists of {{role, content}} turns), not text: use "
-                f"--format chat --messages-column {column}")
-    return f"the column {column!r} holds {value!r:.60}, not text: name a column of strings"
-
-
-def choose_format(args, records, columns):
-    """--format, or for auto the format the columns say: records (JSON, or a hub dataset) or plain text files."""
-    if args.format != "auto":
-        return args.format
-    if not records:
-        return "text"
-    if args.messages_column in columns:
-        return "chat"
-    if args.prompt_column in columns and args.response_column in columns:
-        return "pairs"
-    return "text" if args.text_column in columns else "pairs"  # pairs' missing-column message names every format
-
-
-def tokenise(fmt, args, tokenizer, block_size):
-    """The batched map from records to input_ids and labels (block_size long), in_loss (positions in the loss
-    after the first) and cut (the end of the last response lost to block_size)."""
-    eos = tokenizer.eos_token_id
-    pad_id = eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-
-    def checked(batch, column, conversation=False):
-        for value in batch[column]:
-            if problem := value_problem(column, value, conversation):
-                raise DataProblem(problem)
-        return batch[column]
-
-    def examples(encoded, cut):
-        return {"input_ids": [x for x, _ in encoded], "labels": [y for _, y in encoded],
-                "in_loss": [sum(t != IGNORE for t in y[1:]) for _, y in encoded], "cut": cut}
-
-    def pairs(batch):
-        prompts = tokenizer(checked(batch, args.prompt_column))["input_ids"]
-        responses = tokenizer(checked(batch, args.response_column), add_special_tokens=False)["input_ids"]
-        return examples([encode_pair(p, r, eos, pad_id, block_size) for p, r in zip(prompts, responses)],
-                        [len(p) + len(r) + 1 > block_size for p, r in zip(prompts, responses)])
-
-    def chat(batch):
-        rendered = [assistant_positions(tokenizer, m) for m in checked(batch, args.messages_column, True)]
-        return examples([encode_chat(ids, learned, pad_id, block_size) for ids, learned in rendered],
-                        [any(learned[block_size:]) for _, learned in rendered])
-
-    def packed(batch):  # documents joined by end-of-sequence tokens, cut into whole blocks
-        stream = [t for ids in tokenizer(checked(batch, args.text_column))["input_ids"] for t in ids + [eos]]
-        blocks = [stream[i:i + block_size] for i in range(0, len(stream) // block_size * block_size, block_size)]
-        return {"input_ids": blocks, "labels": blocks, "in_loss": [block_size - 1] * len(blocks),
-                "cut": [False] * len(blocks)}
-    return {"pairs": pairs, "chat": chat, "text": packed}[fmt]
-
-
-NO_CHAT_TEMPLATE = ("--format chat renders conversations with the tokenizer's chat template, and {model}'s tokenizer "
-                    "has none: give a model whose tokenizer has one (an instruct or chat model), or set one in its "
-                    "directory (chat_template.jinja, or chat_template in tokenizer_config.json)")
-
-
-def cut_note(cuts, fmt, block_size):
-    """The start line's words on the examples --block-size cut: nothing is cut silently."""
-    if fmt == "text":
-        return ""
-    n, dropped = cuts["cut_examples"], cuts["dropped_examples"]
-    said = (f"{n} of {cuts['tokenised_examples']} examples cut at --block-size {block_size} (their last response's end "
-            f"lost)" if n else f"none of {cuts['tokenised_examples']} examples cut at --block-size {block_size}")
-    return f"; {said}" + (f", {dropped} dropped with nothing to learn left" if dropped else "")
-
-
-def model_shape(name):
+def load_config_and_tokenizer(name):
     """(config, parameter count, tokenizer, error), before any weight is read. Called before the Accelerator
     exists: under ZeRO-3 transformers would partition even a model on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # here: --help stays quick
@@ -264,54 +112,79 @@ def model_shape(name):
                                f"internet (hf download)")
 
 
-def load_examples(args, run, accelerator, tokenizer, block_size):
-    """(train, validation, format, source, cuts): tokenised examples of input_ids and labels, block_size long;
-    cuts counts the examples, those whose response block_size cut, and those dropped with nothing in the loss."""
-    from datasets import load_dataset
-    if args.dataset:
-        source, load = args.dataset, lambda: load_dataset(args.dataset, args.dataset_config, split="train")  # noqa: E731
-        records = True  # a hub dataset has columns
-    else:
-        files = sorted(f for pattern in (args.data_files or "").split(",") if pattern
-                       for f in glob.glob(os.path.expanduser(pattern)))
-        if not files:
-            run.fail(f"--data-files {args.data_files!r} matches no file; give .txt or .jsonl paths or globs")
-        source, records = args.data_files, all(f.endswith((".json", ".jsonl")) for f in files)
-        load = lambda: load_dataset("json" if records else "text", data_files=files, split="train")  # noqa: E731
-    problem, split, fmt, cuts = None, None, args.format, {}
+def check_block_size(args, config, run):
+    """--block-size, by default the model's context up to 1024; refused when longer than the context."""
+    context = getattr(config, "max_position_embeddings", None)
+    if args.block_size is None:  # the default fits the model
+        args.block_size = min(1024, context or 1024)
+    if context and args.block_size > context:
+        run.fail(f"--block-size {args.block_size} is longer than {args.model}'s context of {context} tokens; give less")
+
+
+def load_data(args, run, accelerator, tokenizer):
+    """finetune_data's examples (train, validation, format, source, cuts), block_size tokens each."""
+    problem = None
     with accelerator.main_process_first():  # the main process tokenises and caches; the others reuse its cache
         try:  # a problem is reported after the block, by every rank: a rank leaving inside it strands the others
-            raw = load()
-            fmt = choose_format(args, records, raw.column_names)
-            needed = {"pairs": [args.prompt_column, args.response_column], "chat": [args.messages_column],
-                      "text": [args.text_column]}[fmt]
-            if missing := [c for c in needed if c not in raw.column_names]:
-                fix = {"pairs": "--prompt-column and --response-column, or give conversations with --format chat "
-                                "--messages-column NAME, or text with --format text --text-column NAME",
-                       "chat": "--messages-column (a column of {role, content} turns), or use --format pairs or text",
-                       "text": "--text-column (a column of strings), or use --format pairs or chat"}[fmt]
-                problem = f"{source!r} has the columns {raw.column_names}, not {missing}: name them with {fix}"
-            elif fmt == "chat" and tokenizer.chat_template is None:
-                problem = NO_CHAT_TEMPLATE.format(model=args.model)
-        except Exception as exc:
-            problem = f"could not load {source!r} ({type(exc).__name__}: {exc}). Offline, use --data-files"
-        if not problem:
-            try:
-                data = raw.map(tokenise(fmt, args, tokenizer, block_size), batched=True,
-                               remove_columns=raw.column_names, desc="tokenising")
-            except DataProblem as exc:
-                problem = f"{source!r} cannot be read as --format {fmt}: {exc}"
-        if not problem:
-            cuts = {"tokenised_examples": len(data), "cut_examples": sum(data["cut"]),
-                    "dropped_examples": sum(n == 0 for n in data["in_loss"])}
-            data = data.filter(lambda e: e["in_loss"] > 0, desc="dropping examples with nothing to learn")
-            if len(data) >= 20:
-                split = data.train_test_split(test_size=0.05, seed=args.seed)  # cached too: the same on every rank
-            else:
-                problem = f"{source!r} gives only {len(data)} examples of at most {block_size} tokens; give more data"
+            examples = load_examples(args, tokenizer, args.block_size)
+        except DataProblem as exc:
+            problem = str(exc)
     if problem:
         run.fail(problem)
-    return split["train"].with_format("torch"), split["test"].with_format("torch"), fmt, source, cuts
+    return examples
+
+
+def load_model(args, run, accelerator):
+    """(model, dtype of its frozen weights): the pretrained weights, loaded partitioned under ZeRO-3 and sharded
+    from the main process's copy under FSDP2; LoRA adapters on top with --lora-r."""
+    from transformers import AutoModelForCausalLM
+    # A full fine-tune keeps fp32 master weights; LoRA's frozen base needs none, so it loads in the compute dtype.
+    dtype = torch.float32
+    if args.lora_r:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    try:
+        with run.sharded_init(from_pretrained=True):  # ZeRO-3: partitioned while loaded; FSDP2: main's copy sharded
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        run.fail(f"cannot load the weights of {args.model!r}: {str(exc).splitlines()[0]}")
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # no generation cache while training
+    if args.lora_r:
+        try:
+            model = with_lora(model, args)
+        except LoraProblem as exc:
+            run.fail(str(exc))
+    return model, dtype
+
+
+def adamw(trainable, args):
+    """AdamW with weight decay on the matrices only, not on biases and norms."""
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]  # ZeRO-3: the full shape
+    decay, flat = ([p for p, m in zip(trainable, matrix) if m == want] for want in (True, False))
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": flat, "weight_decay": 0.0}]  # no decay on biases and norms
+    # No empty group (LoRA's adapters are all matrices): DeepSpeed drops it, and the scheduler would then
+    # hold one learning rate too many.
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), fused=True)
+
+
+def warmup_cosine(optimizer, args):
+    """Linear warm-up over --warmup-steps, then cosine decay from --lr to lr/10 at --max-steps."""
+    def schedule(step):
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        progress = (step - args.warmup_steps) / max(args.max_steps - args.warmup_steps, 1)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def flops_per_token(config, n_params, trained, args):
+    """6 per weight in a matmul (the input embedding is a lookup) plus attention's 12 L d T. LoRA's frozen
+    weights get no weight gradient: 4 each (forward, and the gradient of their input), 6 per adapter weight."""
+    embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    matmul = 6 * (n_params - embedding) if not args.lora_r else 4 * (n_params - embedding) + 6 * trained
+    return matmul + 12 * config.num_hidden_layers * config.hidden_size * args.block_size
 
 
 def token_losses(logits, labels):
@@ -348,158 +221,92 @@ def evaluate(model, loader, accelerator):
     return {"val_loss": float(total / max(count, 1))}
 
 
-def with_lora(model, args, run):
-    """The model wrapped by PEFT: every base parameter frozen in the dtype it was loaded in, LoRA adapters on
-    the --lora-targets linear layers, trainable and kept in fp32 by PEFT (autocast_adapter_dtype)."""
-    from peft import LoraConfig, get_peft_model
-    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=targets, task_type="CAUSAL_LM")
-    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                     if isinstance(module, torch.nn.Linear)} - {"lm_head"})
-    try:
-        model = get_peft_model(model, config)
-    except ValueError as exc:
-        run.fail(f"--lora-targets {args.lora_targets!r}: {str(exc).splitlines()[0]}. This model's linear layers "
-                 f"are {','.join(linear)}")
-    adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
-    if other := [name for name in adapted if not isinstance(model.get_submodule(name).base_layer, torch.nn.Linear)]:
-        run.fail(f"--lora-targets adapts {other[0]}, which is not a linear layer; name linear layers only, "
-                 f"from {','.join(linear)}")
-    return model
-
-
-def merged(weights, peft_model):
-    """The base model's weights with each adapter folded in, W + alpha/r * B @ A, under the base's own names."""
-    scaling = {name: module.scaling["default"] for name, module in peft_model.named_modules()
-               if hasattr(module, "lora_A")}
-    base = {}
-    for key, value in weights.items():
-        if ".lora_" in key:
-            continue
-        module = key.removesuffix(".base_layer.weight")
-        if module in scaling:
-            a, b = weights[f"{module}.lora_A.default.weight"], weights[f"{module}.lora_B.default.weight"]
-            value = value + scaling[module] * (b @ a)
-        base[key.removeprefix("base_model.model.").replace(".base_layer.", ".")] = value
-    return base
-
-
-def greedy(model, accelerator, ids, tokens, eos):
-    """Greedy decoding on every rank (ZeRO-3 and FSDP gather weights collectively), rank 0's choices broadcast."""
-    ids, new, logprobs = ids[None].to(accelerator.device), [], []
-    model.eval()
+def greedy_answer(model, accelerator, tokenizer, example, fmt, args):
+    """The greedy answer to a held-out example's prompt (for text, its first quarter), for the summary. Every rank
+    decodes (ZeRO-3 and FSDP gather weights collectively), rank 0's choices broadcast."""
+    prompt_length = int((example["labels"] != IGNORE).nonzero()[0]) if fmt != "text" else args.block_size // 4
+    prompt = example["input_ids"][:prompt_length]
+    plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
+    ids, new, logprobs = prompt[None].to(accelerator.device), [], []
+    plain.eval()
     with torch.no_grad():
-        for _ in range(tokens):
-            logp = F.log_softmax(model(input_ids=ids).logits[0, -1].float(), dim=-1)
+        for _ in range(args.sample_tokens):
+            logp = F.log_softmax(plain(input_ids=ids).logits[0, -1].float(), dim=-1)
             nxt = broadcast(logp.argmax()[None])
             new.append(int(nxt))
             logprobs.append(float(logp[nxt]))
             ids = torch.cat([ids, nxt[None]], dim=1)
-            if new[-1] == eos:
+            if new[-1] == tokenizer.eos_token_id:
                 break
-    model.train()
-    return new, logprobs
+    plain.train()
+    return {"sample_prompt": tokenizer.decode(prompt), "sample_prompt_ids": prompt.tolist(),
+            "sample": tokenizer.decode(new), "sample_token_ids": new, "sample_logprobs": logprobs}
 
 
-def refuse_whole_copies(run, accelerator, n_params):
-    """ZeRO-3 with zero3_init_flag off loads the whole fp32 model on every process: stop if they cannot hold it."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3 or plugin.zero3_init_flag:
-        return
-    whole_gb, local = 4 * n_params / 1e9, int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    with open("/proc/meminfo") as f:
-        free_gb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) * 1024 / 1e9
-    gpu_gb = math.inf
-    if torch.cuda.is_available():
-        gpu_gb = torch.cuda.get_device_properties(accelerator.device).total_memory / 1e9
-    if broadcast(torch.tensor([float(whole_gb * local > free_gb or whole_gb > gpu_gb)], device=accelerator.device)):
-        run.fail(f"ZeRO-3 with zero3_init_flag off loads the whole model on every process first: {whole_gb:.1f} "
-                 f"GB in fp32 x {local} processes here, with {free_gb:.1f} GB of host memory free and {gpu_gb:.0f} "
-                 f"GB per GPU. Set zero3_init_flag: true in the config (deepspeed_zero3.yaml has it) or pass "
-                 f"--zero3_init_flag true")
+def export(weights, model, accelerator, tokenizer, args, output_dir):
+    """Main process: directories from_pretrained (and PEFT) load, with the tokenizer; returns where they are."""
+    model_dir, adapter_dir = (os.path.join(output_dir, name) for name in ("model", "adapter"))
+    plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
+    if args.lora_r:  # PEFT's own format, in fp32; PEFT picks the adapters' tensors out of the whole model's
+        plain.save_pretrained(adapter_dir, state_dict=weights)
+        tokenizer.save_pretrained(adapter_dir)
+        if not args.merge_lora:
+            return adapter_dir
+        weights, plain = merge_adapters(weights, plain), plain.get_base_model()
+    dtype = getattr(torch, args.save_dtype)
+    plain.config.use_cache = True  # a config for generating
+    plain.save_pretrained(model_dir, state_dict={k: v.to(dtype) for k, v in weights.items()})
+    plain.config.dtype = dtype  # save_pretrained wrote the dtype of the model in memory, not of the file
+    plain.config.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return f"{adapter_dir}, {model_dir}" if args.lora_r else model_dir
 
 
 def main(argv=None):
     args = parse_args(argv)
     run = Run("finetune_lm", args, unit="tokens", may_change=AFTER_TRAINING)  # first: a stop may come during start-up
-    config, n_params, tokenizer, error = model_shape(args.model)
+    config, n_params, tokenizer, error = load_config_and_tokenizer(args.model)
     # Before from_pretrained: transformers reads ZeRO-3's settings from the Accelerator to load partitioned.
     accelerator = Accelerator(  # accelerate
         gradient_accumulation_steps=args.grad_accum,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
         # non_blocking with pinned batches: the copy to the GPU is queued, the host does not wait for the GPU
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, non_blocking=True))
-    run.setup(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum, max_grad_norm=args.max_grad_norm)
+    run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm)
     set_seed(args.seed)
     if error:
         run.fail(error)
-    context = getattr(config, "max_position_embeddings", None)
-    if args.block_size is None:  # the default fits the model
-        args.block_size = min(1024, context or 1024)
-    if context and args.block_size > context:
-        run.fail(f"--block-size {args.block_size} is longer than {args.model}'s context of {context} tokens; give less")
-    refuse_whole_copies(run, accelerator, n_params)
-    from transformers import AutoModelForCausalLM
-    train_set, val_set, fmt, source, cuts = load_examples(args, run, accelerator, tokenizer, args.block_size)
-    # A full fine-tune keeps fp32 master weights; LoRA's frozen base needs none, so it loads in the compute dtype.
-    dtype = torch.float32
-    if args.lora_r:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    try:
-        with run.sharded_init(from_pretrained=True):  # ZeRO-3: partitioned while loaded; FSDP2: main's copy sharded
-            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    except (OSError, ValueError) as exc:
-        run.fail(f"cannot load the weights of {args.model!r}: {str(exc).splitlines()[0]}")
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False  # no generation cache while training
-    if args.lora_r:
-        model = with_lora(model, args, run)
+    check_block_size(args, config, run)
+    run.check_whole_model_fits(n_params)  # ZeRO-3 without zero3_init_flag loads it whole on every process
+    data = load_data(args, run, accelerator, tokenizer)
+    model, dtype = load_model(args, run, accelerator)
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     trained = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)  # ZeRO-3: the whole parameter's size
     micro = args.batch_size // args.grad_accum
     pin = accelerator.device.type == "cuda"
-    train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True, pin_memory=pin)
+    train_loader = DataLoader(data.train, batch_size=micro, shuffle=True, drop_last=True, pin_memory=pin)
     # Exactly the examples evaluated, read to the end: a loader left part-read stays accelerate's active one,
     # and its end-of-data flag would then decide when gradients sync (every micro-batch, with --grad-accum).
-    evaluated = val_set.select(range(min(len(val_set), args.eval_batches * args.batch_size)))
+    evaluated = data.validation.select(range(min(len(data.validation), args.eval_batches * args.batch_size)))
     # accelerate fills a short last batch: shapes stay static
     val_loader = DataLoader(evaluated, batch_size=micro, pin_memory=pin)
-    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]  # ZeRO-3: the full shape
-    decay, flat = ([p for p, m in zip(trainable, matrix) if m == want] for want in (True, False))
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": flat, "weight_decay": 0.0}]  # no decay on biases and norms
-    # No empty group (LoRA's adapters are all matrices): DeepSpeed drops it, and the scheduler would then
-    # hold one learning rate too many.
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), fused=True)
+    optimizer = adamw(trainable, args)
     steps_per_epoch = len(train_loader) // args.grad_accum
     if steps_per_epoch == 0:
-        run.fail(f"{len(train_set)} training examples do not fill one global batch of {args.batch_size}")
-
-    def schedule(step):  # linear warm-up, then cosine from lr to lr/10
-        if step < args.warmup_steps:
-            return (step + 1) / args.warmup_steps
-        progress = (step - args.warmup_steps) / max(args.max_steps - args.warmup_steps, 1)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        run.fail(f"{len(data.train)} training examples do not fill one global batch of {args.batch_size}")
+    scheduler = warmup_cosine(optimizer, args)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(  # accelerate
         model, optimizer, train_loader, val_loader, scheduler)
-    # FLOPs per token: 6 per weight in a matmul (the input embedding is a lookup) plus attention's 12 L d T.
-    # LoRA's frozen weights get no weight gradient: 4 each (forward, and the gradient of their input), 6 per adapter.
-    embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
-    matmul = 6 * (n_params - embedding) if not args.lora_r else 4 * (n_params - embedding) + 6 * trained
-    flops_per_token = matmul + 12 * config.num_hidden_layers * config.hidden_size * args.block_size
-    positions = len(train_set) * (args.block_size - 1)  # positions with a target
-    loss_share = sum(train_set.with_format(None)["in_loss"]) / positions
+    positions = len(data.train) * (args.block_size - 1)  # positions with a target
+    loss_share = sum(data.train.with_format(None)["in_loss"]) / positions
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=args.max_steps,
-              epochs=math.ceil(args.max_steps / steps_per_epoch), samples_per_micro=micro * args.block_size,
-              flops_per_unit=flops_per_token, peak_tflops=args.peak_tflops, eval_every=args.eval_every,
+              units_per_sample=args.block_size, flops_per_unit=flops_per_token(config, n_params, trained, args),
+              peak_tflops=args.peak_tflops, eval_every=args.eval_every,
               evaluate=lambda: evaluate(model, val_loader, accelerator),
-              describe=f"{args.model}: {n_params / 1e6:.3g} M parameters | {fmt}: {source}, {len(train_set)} "
-                       f"examples of {args.block_size} tokens, {100 * loss_share:.0f}% of positions in the loss"
-                       f"{cut_note(cuts, fmt, args.block_size)}",
-              data_facts={"source": source, "data_format": fmt, "train_examples": len(train_set)})
+              describe=f"{args.model}: {n_params / 1e6:.3g} M parameters | {data.format}: {data.source}, "
+                       f"{len(data.train)} examples of {args.block_size} tokens, {100 * loss_share:.0f}% of positions "
+                       f"in the loss{cut_note(data.cuts, data.format, args.block_size)}",
+              data_facts={"source": data.source, "data_format": data.format, "train_examples": len(data.train)})
 
     # The loss is the mean over every loss token of the optimizer step, whatever the micro-batch and the rank:
     # each micro-batch's summed loss over the step's token count, times what backward() then divides by
@@ -521,37 +328,16 @@ def main(argv=None):
                 break
     sample = {}
     if args.sample_tokens and not run.stopping:
-        first = val_set[0]  # its prompt, or the start of its text
-        prompt_length = int((first["labels"] != IGNORE).nonzero()[0]) if fmt != "text" else args.block_size // 4
-        prompt = first["input_ids"][:prompt_length]
-        plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
-        new, logprobs = greedy(plain, accelerator, prompt, args.sample_tokens, tokenizer.eos_token_id)
-        sample = {"sample_prompt": tokenizer.decode(prompt), "sample_prompt_ids": prompt.tolist(),
-                  "sample": tokenizer.decode(new), "sample_token_ids": new, "sample_logprobs": logprobs}
+        sample = greedy_answer(model, accelerator, tokenizer, data.validation[0], data.format, args)
         run.print(f"greedy answer to {sample['sample_prompt']!r}: {sample['sample']!r}")
-    model_dir, adapter_dir = (os.path.join(run.output_dir, name) for name in ("model", "adapter"))
-
-    def export(weights):  # main process: directories from_pretrained (and PEFT) load, with the tokenizer
-        plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
-        if args.lora_r:  # PEFT's own format, in fp32; PEFT picks the adapters' tensors out of the whole model's
-            plain.save_pretrained(adapter_dir, state_dict=weights)
-            tokenizer.save_pretrained(adapter_dir)
-            if not args.merge_lora:
-                return adapter_dir
-            weights, plain = merged(weights, plain), plain.get_base_model()
-        dtype = getattr(torch, args.save_dtype)
-        plain.config.use_cache = True  # a config for generating
-        plain.save_pretrained(model_dir, state_dict={k: v.to(dtype) for k, v in weights.items()})
-        plain.config.dtype = dtype  # save_pretrained wrote the dtype of the model in memory, not of the file
-        plain.config.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-        return f"{adapter_dir}, {model_dir}" if args.lora_r else model_dir
     lora = {"lora_r": args.lora_r, "trainable_params": trained,
             "frozen_dtype": str(dtype).removeprefix("torch.") if args.lora_r else None}
-    return run.finish(model, export=export, exported_dtype=args.save_dtype, base_model=args.model, data_format=fmt,
-                      data_source=source, train_examples=len(train_set), loss_positions_share=loss_share,
+    return run.finish(model, export=functools.partial(export, model=model, accelerator=accelerator,
+                                                      tokenizer=tokenizer, args=args, output_dir=run.output_dir),
+                      exported_dtype=args.save_dtype, base_model=args.model, data_format=data.format,
+                      data_source=data.source, train_examples=len(data.train), loss_positions_share=loss_share,
                       block_size=args.block_size, gradient_checkpointing=args.gradient_checkpointing, **lora, **sample,
-                      **cuts)
+                      **data.cuts)
 
 
 if __name__ == "__main__":

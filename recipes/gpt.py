@@ -235,7 +235,7 @@ def main(argv=None):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
         # non_blocking with pinned batches: the copy to the GPU is queued, the host does not wait for the GPU
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, non_blocking=True))
-    run.setup(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum, max_grad_norm=args.max_grad_norm)
+    run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm)
     set_seed(args.seed)
     world = accelerator.num_processes
     layers, heads, d, block_size = PRESETS[args.preset]
@@ -272,10 +272,10 @@ def main(argv=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(  # accelerate
         model, optimizer, train_loader, val_loader, scheduler)
-    stage = run.engine["deepspeed_stage"]
+    stage = run.engine_facts["deepspeed_stage"]
     state_gb = n_params * {None: 20, 1: 4 + 12 / world, 2: 2 + 14 / world, 3: 16 / world}[stage] / 1e9
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-              epochs=math.ceil(total_steps / steps_per_epoch), samples_per_micro=micro * block_size,
+              units_per_sample=block_size,
               flops_per_unit=flops_per_token, peak_tflops=args.peak_tflops, eval_every=args.eval_every,
               evaluate=lambda: evaluate(model, val_loader, accelerator),
               describe=f"preset {args.preset}: {n_params / 1e6:.2f} M parameters, model states about {state_gb:.2f} GB "

@@ -145,7 +145,7 @@ def main(argv=None):
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # accelerate
     input_dtype = next(model.parameters()).dtype  # bf16 under DeepSpeed bf16
     run.start(model, optimizer, None, steps_per_epoch=len(loader), total_steps=len(loader) * args.epochs,
-              epochs=args.epochs, samples_per_micro=args.batch_size, describe=f"SGD lr {lr:g}")
+              describe=f"SGD lr {lr:g}")
 
     for batches in run.epochs(loader):  # resumes mid-epoch; checkpoints at each epoch's end
         for xb, yb in batches:

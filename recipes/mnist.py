@@ -155,8 +155,8 @@ def main(argv=None):
         # use_seedable_sampler: the same shuffle on every rank and for every world size.
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))])
-    run.setup(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum,
-              max_grad_norm=args.max_grad_norm, eval_batch_size=args.eval_batch_size)
+    run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm,
+              eval_batch_size=args.eval_batch_size)
     set_seed(args.seed)  # before the loaders: the seedable sampler takes its seed from here
 
     (train_x, train_y), (test_x, test_y), source, why = load_mnist(args, accelerator, run)
@@ -182,7 +182,7 @@ def main(argv=None):
         model, optimizer, train_loader, test_loader, scheduler)
     input_dtype = next(model.parameters()).dtype  # bf16 under DeepSpeed bf16, else fp32 (autocast casts)
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-              epochs=args.epochs, samples_per_micro=micro_batch, describe=f"data {source}",
+              describe=f"data {source}",
               evaluate=lambda: evaluate(model, test_loader, accelerator, input_dtype),
               data_facts={"data_source": source, "train_samples": len(train_x)})
 

@@ -86,8 +86,8 @@ def main(argv=None):
             + ", ".join(f"rank {r} {int(c)} intervals in {t:.3f} s" for r, (c, t) in enumerate(shares)))
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
-        reporting.write_summary(args.output_dir, {"recipe": "pi", **engines.engine(accelerator), "results": results,
-                                        "args": vars(args)})
+        reporting.write_summary(args.output_dir, {"recipe": "pi", **engines.engine_facts(accelerator),
+                                                  "results": results, "args": vars(args)})
     return exits.teardown(accelerator, 0)
 
 

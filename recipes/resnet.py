@@ -174,7 +174,6 @@ def main(argv=None):
     input_dtype = next(model.parameters()).dtype  # bf16 under DeepSpeed bf16, else fp32 (autocast casts)
     to_input = lambda images: images.to(dtype=input_dtype, memory_format=memory_format)  # noqa: E731
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-              epochs=args.epochs, samples_per_micro=args.batch_size,
               evaluate=lambda: evaluate(model, val_loader, accelerator, to_input),
               describe=f"{args.arch} at {size}px | {source}: {len(train_set)} train / {len(val_set)} val images, "
                        f"{len(classes)} classes | {args.num_workers} workers per process",

@@ -1,10 +1,13 @@
 """The pytest fixtures shared by the test files: the synthetic data, cached launches, the uninterrupted
-reference runs, runs started in the background, and the matrix runs of the smaller recipes.
+reference runs, runs started in the background, the matrix runs of the smaller recipes, and finetune_lm.py's
+tiny model with its cached runs (test_finetune_lm.py, and the stops in test_stop_and_crash.py).
 
-What they are built on (the CPU route, launch commands, Run, Background) is in launching.py.
+What they are built on (the CPU route, launch commands, LaunchResult, Background) is in launching.py.
 """
 
+import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -14,17 +17,21 @@ import pytest
 from image_folder import write_image_folder
 from launching import (
     FP32,
+    LORA,
+    LORA_PRECISION,
     REPO,
     TEST_SIZE,
     TRAIN_SIZE,
     TRAINING,
     Background,
-    Run,
+    LaunchResult,
+    finetune_args,
     launch_command,
     recipe_args,
     run_command,
     write_corpus,
 )
+from tiny_hf import write_all
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +46,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def launch(data_dir, tmp_path_factory):
-    """launch(config, *recipe_args, launch_args=(), env=None, check=True) -> Run.
+    """launch(config, *recipe_args, launch_args=(), env=None, check=True) -> LaunchResult.
 
     Runs are cached by their arguments, so tests that compare the same runs share one launch.
     """
@@ -53,7 +60,7 @@ def launch(data_dir, tmp_path_factory):
             cmd, route_env = launch_command(config, data_dir, out_dir, *recipe_args, launch_args=launch_args,
                                             recipe=recipe)
             returncode, output = run_command(cmd, env={**route_env, **(env or {})}, timeout=timeout)
-            cache[key] = Run(returncode, output, out_dir)
+            cache[key] = LaunchResult(returncode, output, out_dir)
         run = cache[key]
         if check:
             assert run.returncode == 0, f"launch failed ({run.returncode}):\n{run.output[-6000:]}"
@@ -64,7 +71,7 @@ def launch(data_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference(launch, tmp_path_factory):
-    """reference(config, *extra) -> (Run, checkpoint dir) of the uninterrupted run."""
+    """reference(config, *extra) -> (LaunchResult, checkpoint dir) of the uninterrupted run."""
     dirs = {}
 
     def _reference(config, *extra):
@@ -108,8 +115,50 @@ def shelf_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shelf(launch, shelf_data):
-    """shelf(recipe, config, *extra, launch_args=FP32, check=True, env=None) -> Run of recipes/<recipe>.py."""
+    """shelf(recipe, config, *extra, launch_args=FP32, check=True, env=None) -> LaunchResult of
+    recipes/<recipe>.py."""
     def _shelf(recipe, config, *extra, launch_args=FP32, check=True, env=None):
         return launch(config, *recipe_args(recipe, config, shelf_data), *extra, launch_args=launch_args,
                       recipe=f"recipes/{recipe}.py", check=check, env=env)
     return _shelf
+
+
+@pytest.fixture(scope="session")
+def hf(tmp_path_factory):
+    """The tiny model (tokenizer with a pad token), a copy whose pad token is its end-of-sequence token,
+    the data files, and a 'model' the size of Llama 3.1 70B: its config.json and the tiny tokenizer, no weights."""
+    root = write_all(tmp_path_factory.mktemp("tiny_hf"))
+    shutil.copytree(root / "model", root / "model_pad_is_eos")
+    config_path = root / "model_pad_is_eos" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["pad_token"] = "</s>"
+    config_path.write_text(json.dumps(config))
+    big = json.loads((root / "model" / "config.json").read_text())
+    big.update(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+               num_key_value_heads=8, vocab_size=128256)
+    (root / "big").mkdir()
+    (root / "big" / "config.json").write_text(json.dumps(big))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(root / "model" / name, root / "big" / name)
+    return root
+
+
+@pytest.fixture(scope="session")
+def finetune(launch, hf):
+    """finetune(config, *extra, model=..., data=...) -> LaunchResult, fp32, one launch per distinct argument list."""
+    def _finetune(config, *extra, model="model", data="uneven.jsonl", check=True,
+                  launch_args=("--mixed_precision", "no")):
+        return launch(config, *finetune_args(hf, model, data), *extra, launch_args=launch_args,
+                      recipe="recipes/finetune_lm.py", check=check)
+    return _finetune
+
+
+@pytest.fixture(scope="session")
+def lora(finetune, hf):
+    """lora(config, checkpoint_dir=None) -> LaunchResult: a LoRA fine-tune with the merged export too,
+    checkpointing every 3 steps (keeping all) into a directory of the session's, or the one given."""
+    def _lora(config, checkpoint_dir=None):
+        ckpt = checkpoint_dir or hf / f"ckpt-lora-{config}"
+        return finetune(config, *LORA, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--keep-last", "0",
+                        launch_args=("--mixed_precision", LORA_PRECISION[config]))
+    return _lora

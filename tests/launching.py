@@ -1,7 +1,7 @@
 """Real `accelerate launch` runs of the recipes on this CPU-only machine, for every test file.
 
 Owns what a test needs to launch a recipe and read what the run left: the CPU route of each config,
-the launch command, the shared training arguments, the run's results (Run), a run in the background
+the launch command, the shared training arguments, the run's results (LaunchResult), a run in the background
 (Background), and the process helpers that find, freeze and signal its workers. The pytest fixtures
 built on these (launch, reference, start, shelf) are in conftest.py.
 
@@ -169,8 +169,25 @@ def recipe_args(recipe, config, data):
     }[recipe]
 
 
+# finetune_lm.py's test runs, on tests/tiny_hf.py's model and data (conftest's hf, finetune and lora fixtures):
+# 8 steps of 16 sequences of 32 tokens; LoRA of rank 4, in the precision each engine runs it in.
+FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_BLOCK = 8, 16, 32
+LORA = ("--lora-r", "4", "--merge-lora")
+LORA_PRECISION = {"2gpu.yaml": "no", "fsdp.yaml": "bf16", "deepspeed_zero3.yaml": "no"}  # FSDP2: a bf16 frozen base
+
+
+def finetune_args(hf, model="model", data="uneven.jsonl"):
+    """finetune_lm.py's arguments for the tests: the tiny model (or a copy of it) in `hf` and one of its data files."""
+    return ["--model", str(hf / model), "--data-files", str(hf / data), "--block-size", str(FINETUNE_BLOCK),
+            "--max-steps", str(FINETUNE_STEPS), "--batch-size", str(FINETUNE_BATCH), "--lr", "3e-3",
+            "--warmup-steps", "2", "--log-every", "1", "--eval-every", "4", "--eval-batches", "2",
+            "--sample-tokens", "6", "--save-dtype", "float32", "--peak-tflops", "1"]
+
+
 @dataclass
-class Run:
+class LaunchResult:
+    """What a finished launch left: its exit code, its output, and the results in its output directory."""
+
     returncode: int
     output: str
     out_dir: Path

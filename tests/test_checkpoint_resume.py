@@ -165,7 +165,7 @@ UNIVERSAL = ("DeepSpeed's universal checkpoint (ds_to_universal, converted once 
 
 # 2 -> 1 for every ZeRO stage, and back 1 -> 2 for ZeRO-2 and ZeRO-3: each resume is one launch on top of the
 # shelf's uninterrupted runs. ZeRO-3 (offload too) needed runkit's repair of DeepSpeed's stage-3 universal load
-# (checkpoints._repair_zero3_universal_load): without it the loss drifted 0.2% in 8 steps.
+# (resharding.repair_zero3_universal_load): without it the loss drifted 0.2% in 8 steps.
 ZERO_BACK_AND_FORTH = {"deepspeed_zero1.yaml": False, "deepspeed_zero2.yaml": True, "deepspeed_zero3.yaml": True,
                        "deepspeed_zero3_offload.yaml": False}
 

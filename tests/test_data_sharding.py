@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from launching import ALL_CONFIGS, EXPECTED, REPO, Run
+from launching import ALL_CONFIGS, EXPECTED, REPO, LaunchResult
 from run_checks import assert_engine
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def test_data_sharding_seed_drop_last_and_the_unseeded_mistake(shelf, tmp_path):
     other_seed = subprocess.run([sys.executable, "recipes/data_sharding.py", "--seed", "1", "--output-dir",
                                  str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert other_seed.returncode == 0, other_seed.stderr
-    assert shards(Run(0, "", tmp_path))[0]["batches_per_rank"] != seeded[0]["batches_per_rank"]
+    assert shards(LaunchResult(0, "", tmp_path))[0]["batches_per_rank"] != seeded[0]["batches_per_rank"]
 
     dropped = shards(shelf("data_sharding", "2gpu.yaml", "--drop-last", launch_args=()))
     assert [len(b) for b in dropped[0]["batches_per_rank"]] == [5, 5]

@@ -5,75 +5,34 @@ One launch per config serves every assertion about it: the engine, the step-by-s
 process, and the exported model directory loaded back with from_pretrained. The data is uneven.jsonl,
 whose responses run from 1 to 30 words, so a loss that were not weighted by tokens over the whole
 optimizer step would differ between 1 and 2 processes. The LoRA runs serve the adapter checks and,
-through their checkpoints, the resume tests.
+through their checkpoints, the resume tests. The model, the data and the cached runs are conftest.py's fixtures (hf,
+finetune, lora), shared with test_stop_and_crash.py, which stops and kills fine-tunes; the data's own tests are in
+test_finetune_data.py.
 """
 
 import json
-import os
 import shutil
-import signal
 import sys
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from launching import CONFIG_FILES, OFFLOAD, REPO, Run, check_exit, frozen, rank_of, run_command, thawed
+from launching import (
+    CONFIG_FILES,
+    FINETUNE_BATCH,
+    FINETUNE_BLOCK,
+    FINETUNE_STEPS,
+    LORA_PRECISION,
+    OFFLOAD,
+    LaunchResult,
+    finetune_args,
+    run_command,
+)
 from run_checks import assert_engine, assert_refused, assert_shards_held
-from tiny_hf import corpus, uneven_pairs, write_all
+from tiny_hf import corpus, uneven_pairs
 
-STEPS, BATCH, BLOCK = 8, 16, 32
-LORA = ("--lora-r", "4", "--merge-lora")
-LORA_PRECISION = {"2gpu.yaml": "no", "fsdp.yaml": "bf16", "deepspeed_zero3.yaml": "no"}  # FSDP2: a bf16 frozen base
-
-
-@pytest.fixture(scope="session")
-def hf(tmp_path_factory):
-    """The tiny model (tokenizer with a pad token), a copy whose pad token is its end-of-sequence token,
-    the data files, and a 'model' the size of Llama 3.1 70B: its config.json and the tiny tokenizer, no weights."""
-    root = write_all(tmp_path_factory.mktemp("tiny_hf"))
-    shutil.copytree(root / "model", root / "model_pad_is_eos")
-    config_path = root / "model_pad_is_eos" / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["pad_token"] = "</s>"
-    config_path.write_text(json.dumps(config))
-    big = json.loads((root / "model" / "config.json").read_text())
-    big.update(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-               num_key_value_heads=8, vocab_size=128256)
-    (root / "big").mkdir()
-    (root / "big" / "config.json").write_text(json.dumps(big))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(root / "model" / name, root / "big" / name)
-    return root
-
-
-def training(hf, model="model", data="uneven.jsonl"):
-    return ["--model", str(hf / model), "--data-files", str(hf / data), "--block-size", str(BLOCK), "--max-steps",
-            str(STEPS), "--batch-size", str(BATCH), "--lr", "3e-3", "--warmup-steps", "2", "--log-every", "1",
-            "--eval-every", "4", "--eval-batches", "2", "--sample-tokens", "6", "--save-dtype", "float32",
-            "--peak-tflops", "1"]
-
-
-@pytest.fixture(scope="session")
-def finetune(launch, hf):
-    """finetune(config, *extra, model=..., data=...) -> Run, fp32, one launch per distinct argument list."""
-    def _finetune(config, *extra, model="model", data="uneven.jsonl", check=True,
-                  launch_args=("--mixed_precision", "no")):
-        return launch(config, *training(hf, model, data), *extra, launch_args=launch_args,
-                      recipe="recipes/finetune_lm.py", check=check)
-    return _finetune
-
-
-@pytest.fixture(scope="session")
-def lora(finetune, hf):
-    """lora(config, checkpoint_dir=None) -> Run: a LoRA fine-tune with the merged export too, checkpointing every 3
-    steps (keeping all) into a directory of the session's, or the one given."""
-    def _lora(config, checkpoint_dir=None):
-        ckpt = checkpoint_dir or hf / f"ckpt-lora-{config}"
-        return finetune(config, *LORA, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--keep-last", "0",
-                        launch_args=("--mixed_precision", LORA_PRECISION[config]))
-    return _lora
+STEPS, BATCH, BLOCK = FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_BLOCK
 
 
 def sample_logprobs(model, summary, bf16=False):
@@ -128,19 +87,6 @@ def test_finetune_under_every_config(finetune, config):
     assert [m["step"] for m in run.metrics] == [m["step"] for m in one.metrics] == list(range(1, STEPS + 1))
     for a, b in zip(one.metrics, run.metrics):
         assert b["loss"] == pytest.approx(a["loss"], rel=tolerance), (config, a, b)
-
-
-def test_labels_are_set_by_position():
-    """The pad positions and the prompt are never in the loss, whatever their token ids; the response and
-    its end-of-sequence token are, even when the pad token is the end-of-sequence token."""
-    sys.path.insert(0, str(REPO / "recipes"))
-    from finetune_lm import IGNORE, encode_pair
-    eos = pad = 2
-    ids, labels = encode_pair([0, 5, 6], [7, 2, 8], eos, pad, 10)  # a response that contains the eos id
-    assert ids == [0, 5, 6, 7, 2, 8, eos, pad, pad, pad]
-    assert labels == [IGNORE] * 3 + [7, 2, 8, eos] + [IGNORE] * 3
-    ids, labels = encode_pair([0, 5, 6], [7, 8, 9], eos, 4, 5)  # cut at the block size: no padding
-    assert ids == [0, 5, 6, 7, 8] and labels == [IGNORE] * 3 + [7, 8]
 
 
 @pytest.mark.slow
@@ -266,56 +212,6 @@ def test_resume_with_another_grad_accum_from_an_odd_step(finetune, tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_rank_then_resume_is_exact(lora, start, hf, tmp_path):
-    """LoRA under FSDP2 in bf16, sharded checkpoints: one rank killed mid-run, the resumed run ends with the
-    uninterrupted run's losses and adapter, bit for bit."""
-    config = "fsdp.yaml"
-    ref = lora(config)
-    args = [*training(hf), *LORA, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3",
-            "--keep-last", "0"]
-    run = start(config, *args, recipe="recipes/finetune_lm.py", env={"TEST_STEP_SECONDS": "0.3"},
-                launch_args=("--mixed_precision", LORA_PRECISION[config]))
-    run.wait_until(lambda: run.steps_logged() >= 4 and len(run.workers()) == 2, "step 4")
-    os.kill(next(pid for pid in run.workers() if rank_of(pid) == 1), signal.SIGKILL)
-    assert run.finish() != 0 and run.left == []
-    code, output = run_command(run.proc.args, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")})
-    assert code == 0, output[-4000:]
-    resumed = Run(code, output, run.log_path.parent)
-    assert resumed.summary["resumed_from_step"] in (3, 6)
-    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in ref.metrics]  # the killed run's lines too
-    adapter = "adapter/adapter_model.safetensors"
-    assert (resumed.out_dir / adapter).read_bytes() == (ref.out_dir / adapter).read_bytes()
-
-
-@pytest.mark.slow
-def test_stop_signal_exits_75_and_resumes(hf, tmp_path):
-    """python, one process: SIGTERM stops at the next step with a checkpoint and exit code 75."""
-    import subprocess
-    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    steps = 200  # a few seconds: the signal lands mid-run
-    cmd = [sys.executable, "recipes/finetune_lm.py", *training(hf), "--max-steps", str(steps), "--output-dir", str(out),
-           "--checkpoint-dir", str(ckpt), "--eval-every", "100"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = out / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(0.02)
-    frozen([proc.pid])  # the signal is then handled at a known point: mid-run
-    proc.send_signal(signal.SIGTERM)
-    thawed([proc.pid])
-    output = proc.communicate(timeout=120)[0]
-    check_exit(output)
-    assert proc.returncode == 75, output[-3000:]
-    stopped_at = max(int(p.name.split("-")[1]) for p in ckpt.iterdir() if p.name.startswith("step-"))
-    assert 2 <= stopped_at < steps
-    code, output = run_command(cmd)
-    assert code == 0, output[-3000:]
-    s = json.loads((out / "summary.json").read_text())
-    assert s["resumed_from_step"] == stopped_at and s["steps"] == steps
-
-
-@pytest.mark.slow
 def test_each_input_error_is_one_clear_message(finetune, hf, tmp_path):
     offline = {"HF_HUB_OFFLINE": "1"}
     for args, env, words in [
@@ -323,8 +219,8 @@ def test_each_input_error_is_one_clear_message(finetune, hf, tmp_path):
         (["--block-size", "4096"], {}, "longer than"),
     ]:
         out = tmp_path / f"out{len(words)}"
-        cmd = [sys.executable, "recipes/finetune_lm.py", *training(hf), "--output-dir", str(out), *args]
-        assert_refused(Run(*run_command(cmd, env=env), out), words)
+        cmd = [sys.executable, "recipes/finetune_lm.py", *finetune_args(hf), "--output-dir", str(out), *args]
+        assert_refused(LaunchResult(*run_command(cmd, env=env), out), words)
     # Columns that are not there, found by the main process while the other waits for its cache: both leave.
     (hf / "qa.jsonl").write_text("".join(json.dumps({"question": p, "answer": r}) + "\n" for p, r in corpus(40)))
     columns = finetune("2gpu.yaml", data="qa.jsonl", check=False)

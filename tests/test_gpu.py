@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from image_folder import write_image_folder
-from launching import CONFIG_DIR, REPO, Run, free_port, load_yaml, run_command, write_corpus
+from launching import CONFIG_DIR, REPO, LaunchResult, free_port, load_yaml, run_command, write_corpus
 from tiny_hf import write_all
 
 GPUS = torch.cuda.device_count()
@@ -82,7 +82,7 @@ def gpu_launch(tmp_path, config, recipe, data, processes=None, sync_check=True):
     if checked:
         env["TEST_SYNC_DEBUG_STEPS"] = f"3:{every - 2}"
     returncode, output = run_command(cmd, env=env, timeout=420)
-    run = Run(returncode, output, out)
+    run = LaunchResult(returncode, output, out)
     assert returncode == 0, f"launch failed ({returncode}):\n{output[-6000:]}"
     if checked:
         assert "TEST-SHIM: synchronising CUDA operations raise from step 3" in output, output[-3000:]
@@ -182,7 +182,7 @@ def test_pi_times_the_computation_not_its_launch(tmp_path):
            str(free_port()), "recipes/pi.py", "--intervals", "1e9", "--output-dir", str(out)]
     returncode, output = run_command(cmd, timeout=300)
     assert returncode == 0, output[-4000:]
-    [row] = Run(returncode, output, out).summary["results"]
+    [row] = LaunchResult(returncode, output, out).summary["results"]
     assert row["compute_seconds_per_rank"][0] >= 0.5 * row["seconds"], row
 
 

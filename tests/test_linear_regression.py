@@ -13,7 +13,7 @@ import sys
 import pytest
 from PIL import Image
 
-from launching import ALL_CONFIGS, OFFLOAD, REPO, Run
+from launching import ALL_CONFIGS, OFFLOAD, REPO, LaunchResult
 from run_checks import assert_engine, assert_refused
 
 pytestmark = pytest.mark.slow
@@ -97,5 +97,5 @@ def test_linear_regression_resume_is_exact(shelf, shelf_data, tmp_path):
     assert f"resumed from {ckpt}" in resumed.output
     # Every step's (m, n) as in the uninterrupted run (the progress lines' timings differ, of course).
     exact = ("step", "epoch", "m", "n")
-    assert [{k: r[k] for k in exact} for r in Run(0, "", out).metrics] == [{k: r[k] for k in exact}
+    assert [{k: r[k] for k in exact} for r in LaunchResult(0, "", out).metrics] == [{k: r[k] for k in exact}
                                                                           for r in ref.metrics[4:]]

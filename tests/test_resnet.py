@@ -8,13 +8,12 @@ session's `shelf` fixture (conftest.py), and the comparisons (the stopped and re
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from launching import ALL_CONFIGS, OFFLOAD, REPO, Run, frozen, recipe_args, thawed
+from launching import ALL_CONFIGS, OFFLOAD, REPO
 from run_checks import assert_engine, assert_refused, assert_shards_held
 
 pytestmark = pytest.mark.slow
@@ -47,22 +46,3 @@ def test_resnet_learns_from_image_files(shelf_data, tmp_path):
     assert s["val_accuracy"] >= 0.9 and s["final_loss"] < s["first_loss"], s
 
 
-def test_resnet_stop_reaches_workers_too(start, shelf, shelf_data, tmp_path):
-    """Slurm signals every process of a step, DataLoader workers included: the workers ignore it, the
-    training processes stop together and save, and the same command finishes the run."""
-    args = [*recipe_args("resnet", "2gpu.yaml", shelf_data), "--max-steps", "40", "--epochs", "10",
-            "--checkpoint-dir", str(tmp_path / "ckpt")]
-    run = start("2gpu.yaml", *args, recipe="recipes/resnet.py")
-    run.wait_until(lambda: run.steps_logged() >= 2 and len(run.workers()) >= 4, "step 2 with workers")
-    everyone = run.workers()
-    frozen(everyone)
-    for pid in everyone:
-        os.kill(pid, signal.SIGUSR1)
-    thawed(everyone)
-    assert run.stops_within() != 0
-    assert "stopped by SIGUSR1" in run.output and "DataLoader worker" not in run.output, run.output[-3000:]
-    assert run.left == []
-    again = shelf("resnet", "2gpu.yaml", *args[len(recipe_args("resnet", "2gpu.yaml", shelf_data)):],
-                  "--output-dir", str(run.log_path.parent))
-    s = Run(again.returncode, again.output, run.log_path.parent).summary
-    assert s["steps"] == 40 and 2 <= s["resumed_from_step"] < 40

@@ -2,6 +2,7 @@
 change, what it refuses, the log window's rule, and the table in
 docs/checkpoints.md that states the rules. Quick: the launches that prove them are in test_checkpoint_resume.py."""
 
+import importlib
 import sys
 
 import pytest
@@ -9,14 +10,14 @@ import pytest
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
+from runkit.resharding import reshaped_window  # noqa: E402
 from runkit.resume_rules import (  # noqa: E402
     PER_RANK,
     RESHAPE,
     WORLD_SIZE_CHANGE,
+    checkpoint_kind,
     incompatibility,
-    kind,
     reshaped,
-    reshaped_window,
 )
 
 SETTINGS = {"batch_size": 16, "grad_accum": 1, "lr": 1e-3}
@@ -37,7 +38,7 @@ def test_world_size_and_grad_accum_may_change_where_the_state_reshards(family, s
     saved, here = manifest(family, stage=stage), now(family, stage=stage)
     assert incompatibility(saved, here, {**SETTINGS, "grad_accum": 2}) is None
     assert reshaped(saved, here) == [
-        f"world size 2 -> 1: {WORLD_SIZE_CHANGE[kind(saved['layout'])]}",
+        f"world size 2 -> 1: {WORLD_SIZE_CHANGE[checkpoint_kind(saved['layout'])]}",
         "ranks [1] no longer exist: their RNG state" + (" and buffers are" if family == "fsdp" else " is")
         + " dropped",
         "--grad-accum 1 -> 2: the same global batch in 2 micro-batch(es) per process"]
@@ -81,6 +82,14 @@ def test_log_window_carries_the_old_ranks_mean_in_the_new_micro_batches():
     back = reshaped_window(moved, manifest(world=1, grad_accum=2), now(world=4, grad_accum=1))
     assert back["loss_sums"] == [7.5] * 4 and back["micro"] == 3
     assert reshaped_window(window, manifest(world=2), now(world=2, grad_accum=1)) is window
+
+
+def test_each_per_rank_rule_names_the_one_function_that_applies_it():
+    """Every PER_RANK row says where its rule is applied, and that function exists there (a rule moved or renamed
+    without its row fails here)."""
+    for part, (rule, where) in PER_RANK.items():
+        module, name = where.split(".")
+        assert rule and callable(getattr(importlib.import_module(f"runkit.{module}"), name, None)), (part, where)
 
 
 def test_docs_state_every_rule_as_a_table():

@@ -21,7 +21,7 @@ from launching import (
     EXPECTED,
     REPO,
     TRAINING,
-    Run,
+    LaunchResult,
     check_exit,
     cpu_route,
     deepspeed_json_in,
@@ -475,7 +475,7 @@ def test_per_gpu_mode_on_two_nodes(two_nodes, data_dir, tmp_path, reference, con
     assert task_hosts(log) == {("node1", "0"), ("node2", "1")}, log  # a process on each host
     if not EXPECTED[config][3]:  # each rank holds all the weights unless they are sharded (FSDP)
         assert len(set(s["param_checksum_per_rank"])) == 1
-    run = Run(0, log, out)
+    run = LaunchResult(0, log, out)
     assert_identical_params(ref.params(), run.params())
     assert_same_steps(ref.metrics, run.metrics, after_step=0)
 
@@ -623,10 +623,36 @@ def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir
     job, log = submit(two_nodes, sbatch_args, [str(fp32_config(tmp_path, config)), RECIPE], data_dir, out,
                       env={**route, "TEST_STEP_SECONDS": "0.3"},
                       wait=False, training=(*TRAINING, "--checkpoint-dir", str(ckpt)))
+    signal_mid_training(two_nodes, job, log, out, stop)
+    if shrink:
+        move_to_one_node(two_nodes, job, log)
+    state, fields = wait_final(two_nodes, job)
+    text = job_log(log)
+    assert state == "COMPLETED", text
+    assert fields["Restarts"] == "1", fields
+    stopped, resumed_run = runs_of(text)
+    assert_stopped_and_requeued(stopped, mode, stop)
+    assert f"resumed from {ckpt}" in resumed_run and not srun_exit_codes(resumed_run)
+    resumed = LaunchResult(0, text, out)
+    s = resumed.summary
+    assert s["steps"] == 20 and s["resumed_from_step"] >= 3 and s["resumed_from_world_size"] == 2
+    assert s["distributed_type"] == {"2gpu.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP"}[config]
+    if not shrink:
+        assert task_hosts(resumed_run) == {("node1", "0"), ("node2", "1")}, resumed_run
+        assert s["world_size"] == 2 and s["resume_changes"] == []
+        assert_identical_params(ref.params(), resumed.params())
+        assert_same_steps(ref.metrics, resumed.metrics, after_step=0)
+    else:
+        assert_resharded_onto_one_process(ref, resumed, resumed_run)
 
+
+def signal_mid_training(cluster, job, log, out, stop):
+    """At step 3 on both nodes, the training frozen: SIG`stop` as Slurm sends it (TERM: to the job's steps and the
+    batch script, as preemption does; USR1: to the batch script, as the templates' timer does), until it is
+    pending in every training process; then the training goes on, and meets it mid-training."""
     def at_step_3():
         if steps_logged(out) < 3:
-            assert two_nodes.job_state(job)[0] in ("PENDING", "CONFIGURING", "RUNNING"), log.read_text()
+            assert cluster.job_state(job)[0] in ("PENDING", "CONFIGURING", "RUNNING"), log.read_text()
             return False
         return len(recipe_processes(str(out))) == 2
 
@@ -637,33 +663,37 @@ def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir
         os.kill(pid, signal.SIGSTOP)
     try:
         if stop == "TERM":
-            assert two_nodes.run(["scancel", "--signal=TERM", job]).returncode == 0
-            assert two_nodes.run(["scancel", "--batch", "--signal=TERM", job]).returncode == 0
+            assert cluster.run(["scancel", "--signal=TERM", job]).returncode == 0
+            assert cluster.run(["scancel", "--batch", "--signal=TERM", job]).returncode == 0
         else:  # what Slurm does at --signal=B:USR1@T, and the templates' timer: signal the batch script
-            assert two_nodes.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
+            assert cluster.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
         number = getattr(signal, f"SIG{stop}")
         wait_for(lambda: all(pending_signals(pid) & (1 << (number - 1)) for pid in workers),
                  f"SIG{stop} pending in {workers} (stopped at step {steps_logged(out)})", timeout=60)
     finally:
         for pid in workers:
             os.kill(pid, signal.SIGCONT)
-    if shrink:  # a requeued job may start only cred_expire + 1 s (15 + 1 here) after the requeue
-        def requeued():
-            state, fields = two_nodes.job_state(job)
-            assert state in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), log.read_text()
-            return state == "PENDING" and fields["Restarts"] == "1"
 
-        wait_for(requeued, "the job requeued and pending", timeout=120)
-        # `NumNodes=1 NumTasks=1` in one update left the job pending on BadConstraints (NumNodes stayed 2);
-        # one setting at a time, the node count as a range, moves it.
-        for setting in ("NumNodes=1-1", "NumTasks=1", "NumCPUs=1"):
-            moved = two_nodes.run(["scontrol", "update", f"JobId={job}", setting])
-            assert moved.returncode == 0, moved.stderr
-    state, fields = wait_final(two_nodes, job)
-    text = job_log(log)
-    assert state == "COMPLETED", text
-    assert fields["Restarts"] == "1", fields
-    stopped, resumed_run = runs_of(text)
+
+def move_to_one_node(cluster, job, log):
+    """The requeued job, pending, moved to 1 node and 1 task, as a user or an admin does to get it started sooner.
+    A requeued job may start only cred_expire + 1 s (15 + 1 here) after the requeue."""
+    def requeued():
+        state, fields = cluster.job_state(job)
+        assert state in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), log.read_text()
+        return state == "PENDING" and fields["Restarts"] == "1"
+
+    wait_for(requeued, "the job requeued and pending", timeout=120)
+    # `NumNodes=1 NumTasks=1` in one update left the job pending on BadConstraints (NumNodes stayed 2);
+    # one setting at a time, the node count as a range, moves it.
+    for setting in ("NumNodes=1-1", "NumTasks=1", "NumCPUs=1"):
+        moved = cluster.run(["scontrol", "update", f"JobId={job}", setting])
+        assert moved.returncode == 0, moved.stderr
+
+
+def assert_stopped_and_requeued(stopped, mode, stop):
+    """The first run's log: the stop, the checkpoint, the requeue, exit code 75 from every task that exited on
+    its own, and a training process on each host."""
     assert f"stopped by SIG{stop}" in stopped and "checkpoint saved, requeueing" in stopped
     if stop == "TERM":
         assert "SIGTERM, waiting for the training to checkpoint" in stopped
@@ -674,19 +704,12 @@ def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir
     assert srun_exit_codes(stopped) and set(srun_exit_codes(stopped)) == {"75"}, stopped
     if mode == "per-node":
         assert "slurm_launch: training stopped on a signal after saving a checkpoint (exit 75)" in stopped
-    assert f"resumed from {ckpt}" in resumed_run and not srun_exit_codes(resumed_run)
     assert task_hosts(stopped) == {("node1", "0"), ("node2", "1")}, stopped  # a process on each host
-    resumed = Run(0, text, out)
+
+
+def assert_resharded_onto_one_process(ref, resumed, resumed_run):
+    """Back on 1 node: one task, one process, on the checkpoint of 2, resharded, and said so."""
     s = resumed.summary
-    assert s["steps"] == 20 and s["resumed_from_step"] >= 3 and s["resumed_from_world_size"] == 2
-    assert s["distributed_type"] == {"2gpu.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP"}[config]
-    if not shrink:
-        assert task_hosts(resumed_run) == {("node1", "0"), ("node2", "1")}, resumed_run
-        assert s["world_size"] == 2 and s["resume_changes"] == []
-        assert_identical_params(ref.params(), resumed.params())
-        assert_same_steps(ref.metrics, resumed.metrics, after_step=0)
-        return
-    # Back on 1 node: one task, one process, on the checkpoint of 2, resharded, and said so.
     assert len(task_hosts(resumed_run)) == 1 and {task for _, task in task_hosts(resumed_run)} == {"0"}, resumed_run
     assert s["world_size"] == 1 and "written by 2 processes" in resumed_run
     assert s["resume_changes"][0] == ("world size 2 -> 1: torch.distributed.checkpoint reshards the model and "

@@ -1,10 +1,13 @@
-"""Stop signals, a dead rank, a kill during a save and Ctrl-C: real 2-process launches on CPU.
+"""Stopping and crashing, all in one place: stop signals, a dead rank, a kill during a save, a launcher that dies,
+a full disk and Ctrl-C; each recipe's own stop; and recipes/runkit/stopping.py without a run.
 
-Each test starts a run in the background, waits for a state it can see (a metrics line, a
-message), acts on the processes, and checks how the whole launch ends. The waits have deadlines
-only to turn a hang into a failure; the durations asserted are the 60 s limit the issue sets for a
-dead rank, and the 60 s in which a run must end once stopped (launching.STOP_SECONDS: a rank that
-ignored the stop agreement would otherwise hang until the 300 s collective timeout).
+The quick tests (no launch) check stopping.py itself: the stop agreement between ranks, the line that says how to
+stop a run, and a worker whose launcher is gone before it starts. The others are real launches on CPU (slow): each
+starts a run in the background, waits for a state it can see (a metrics line, a message), acts on the processes,
+and checks how the whole launch ends. The waits have deadlines only to turn a hang into a failure; the durations
+asserted are the 60 s limit the issue sets for a dead rank, and the 60 s in which a run must end once stopped
+(launching.STOP_SECONDS: a rank that ignored the stop agreement would otherwise hang until the 300 s collective
+timeout). Slurm's own stops (preemption, the time limit, scancel) run on the Slurm cluster of test_slurm_launch.py.
 """
 
 import hashlib
@@ -14,16 +17,139 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
-from launching import FP32, REPO, TRAINING, Run, frozen, rank_of, skip_unless_ci, thawed
+from launching import (
+    FP32,
+    LORA,
+    LORA_PRECISION,
+    REPO,
+    TRAINING,
+    LaunchResult,
+    check_exit,
+    finetune_args,
+    frozen,
+    rank_of,
+    recipe_args,
+    run_command,
+    skip_unless_ci,
+    thawed,
+)
 from run_checks import assert_identical_params, assert_same_steps
 
-pytestmark = pytest.mark.slow
+sys.path.insert(0, str(REPO / "recipes"))
+from runkit.stopping import GracefulStop, how_to_stop  # noqa: E402
+
+# ---- recipes/runkit/stopping.py, without a run (quick) -------------------------------------------------------
 
 
+class OneRank:
+    """What agreed() uses of an Accelerator; counts the collectives."""
+    device, reductions = torch.device("cpu"), 0
+
+    def reduce(self, tensor, op):
+        self.reductions += 1
+        return tensor
+
+
+def test_stop_agreement_at_every_call_and_never_without_signals():
+    """agreed() checks whenever it is called (run.py decides where: the ranks make the same calls, so all check
+    together); with --stop-signals '' there is nothing to agree on, so no collective at all."""
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        rank = OneRank()
+        stopper = GracefulStop("USR2")
+        assert [stopper.agreed(rank) for _ in range(3)] == [False, False, False] and rank.reductions == 3
+        os.kill(os.getpid(), signal.SIGUSR2)  # the handler only remembers it
+        assert stopper.received == "SIGUSR2"
+        assert [stopper.agreed(rank) for _ in range(2)] == [True, True] and rank.reductions == 5
+        silent, rank = GracefulStop(""), OneRank()
+        assert not any(silent.agreed(rank) for _ in range(5)) and rank.reductions == 0
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.fixture
+def outside_any_launcher(monkeypatch):
+    for name in ("SLURM_JOB_ID", "RECIPE_STOP_MARKER", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_how_to_stop_names_this_process_outside_a_launcher(outside_any_launcher):
+    assert how_to_stop(True) == f"stop with a checkpoint: kill -TERM {os.getpid()}"
+    assert how_to_stop(False) == (f"kill -TERM {os.getpid()} stops it without a checkpoint (no --checkpoint-dir: its "
+                                  "progress is lost)")
+
+
+def test_how_to_stop_under_slurm_names_the_job(outside_any_launcher):
+    outside_any_launcher.setenv("SLURM_JOB_ID", "4242")
+    outside_any_launcher.setenv("TORCHELASTIC_RUN_ID", "none")  # per-node mode: torchrun inside the job
+    assert how_to_stop(True) == "stop with a checkpoint: scancel --signal=TERM --full 4242"
+    # The templates (launch/*.sbatch) set the marker, and requeue the job once it stopped with a checkpoint.
+    outside_any_launcher.setenv("RECIPE_STOP_MARKER", "/shared/.slurm-recipe-4242.abc/stopped")
+    assert how_to_stop(True) == ("stop with a checkpoint: scancel --signal=TERM --full 4242, then the job requeues "
+                                 "itself")
+    assert how_to_stop(False).startswith("scancel --signal=TERM --full 4242 stops it without a checkpoint")
+
+
+CHILD = """
+import sys
+sys.path.insert(0, "recipes")
+from runkit.stopping import die_with_launcher, how_to_stop
+die_with_launcher()
+print(how_to_stop(True), flush=True)
+print("trained on", flush=True)
+"""
+
+
+def test_how_to_stop_under_torchrun_names_the_launcher(outside_any_launcher):
+    """A worker of an elastic agent (TORCHELASTIC_RUN_ID): the pid to signal is its launcher's, the process that
+    runs torch and started it (here this test's process plays the agent), not the worker's own."""
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="test", RANK="1")
+    out = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [f"stop with a checkpoint: kill -TERM {os.getpid()}", "trained on"]
+
+
+def alive(pid):
+    """Whether the process runs (a zombie, dead but not yet reaped by its new parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_worker_whose_launcher_is_gone_at_start_exits_at_once(outside_any_launcher, tmp_path):
+    """A launcher killed while its worker still imports torch: by the time the worker checks, its parent is init
+    or a subreaper. Here the worker's parent (a shell standing in for the launcher) exits at once, leaving the
+    worker orphaned before it imports anything; it must say so and exit instead of training on."""
+    log = tmp_path / "worker.log"
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="test", RANK="1", CHILD=CHILD, LOG=str(log))
+    subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$CHILD" > "$LOG" 2>&1 &'], cwd=REPO, env=env, check=True,
+                   timeout=60)
+    end = time.monotonic() + 120
+    while not ("launcher is gone" in log.read_text() or "trained on" in log.read_text()):
+        assert time.monotonic() < end, f"the orphaned worker said nothing in 120 s:\n{log.read_text()}"
+        time.sleep(0.1)
+    match = re.search(r"error: rank 1 \(pid (\d+)\): its launcher is gone", log.read_text())
+    assert match, log.read_text()
+    pid = int(match.group(1))
+    while alive(pid):
+        assert time.monotonic() < end, f"pid {pid} said its launcher is gone but lives on"
+        time.sleep(0.05)
+    assert "trained on" not in log.read_text(), log.read_text()
+
+
+# ---- stop signals and crashes in real launches (slow) --------------------------------------------------------
+
+@pytest.mark.slow
 def test_signal_to_one_rank_stops_all_and_resume_is_exact(start, launch, reference, tmp_path):
     """SIGUSR1 reaches only rank 1: both ranks agree to stop after the same step, save, and a
     second launch with the same command ends exactly where the uninterrupted run ends."""
@@ -47,11 +173,12 @@ def test_signal_to_one_rank_stops_all_and_resume_is_exact(start, launch, referen
     again = launch("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt), "--output-dir", str(out_dir),
                    launch_args=FP32)
     assert f"resumed from {ckpt / stopped}" in again.output
-    resumed = Run(again.returncode, again.output, out_dir)
+    resumed = LaunchResult(again.returncode, again.output, out_dir)
     assert_identical_params(ref.params(), resumed.params())
     assert_same_steps(ref.metrics, resumed.metrics, after_step=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoints, code", [(True, 75), (False, 1)])
 def test_single_process_exit_code_on_stop(data_dir, tmp_path, checkpoints, code):
     """Without a launcher in between, the recipe's own exit code says 'stopped, resumable' (75), or, without
@@ -91,6 +218,7 @@ def assert_intact(ckpt, names):
             assert hashlib.sha256((ckpt / name / rel).read_bytes()).hexdigest() == want["sha256"], (name, rel)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["training", "save", "resume", "stop agreement"])
 def test_dead_rank_ends_the_launch_within_60s(start, reference, tmp_path, phase):
     """kill -9 of rank 1 while training, while saving a checkpoint, while loading one, and while the other
@@ -131,6 +259,7 @@ def test_dead_rank_ends_the_launch_within_60s(start, reference, tmp_path, phase)
         assert saved_before
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_previous_checkpoint(start, launch, reference, tmp_path):
     ref, _ = reference("2gpu.yaml")
     ckpt = tmp_path / "ckpt"
@@ -152,6 +281,7 @@ def test_kill_during_save_keeps_previous_checkpoint(start, launch, reference, tm
     assert not (ckpt / ".lock").exists()  # released at the end
 
 
+@pytest.mark.slow
 def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, launch, reference, tmp_path):
     """A run holds --checkpoint-dir's lock: a second run there is refused at once, naming the holder. Its
     launcher killed alone with SIGKILL (an OOM kill, a kill -9), the workers follow within seconds instead of
@@ -184,6 +314,7 @@ def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, lau
     assert not (ckpt / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_first_line_names_the_launcher_and_its_stop_works(start, tmp_path):
     """Under accelerate launch the pid a user sees is the launcher's (SIGUSR1 would kill it: exit 138, no
     checkpoint, a stale lock). The run's first line names that pid with SIGTERM, which the launcher passes on
@@ -201,6 +332,7 @@ def test_first_line_names_the_launcher_and_its_stop_works(start, tmp_path):
     assert not (ckpt / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_launcher_killed_while_its_workers_import(start):
     """accelerate launch SIGKILLed about 0.3 s after its 2 workers appeared, while they still import torch (seconds
     on a GPU node, with deepspeed and transformers): by the time a worker reaches Run(...), its parent is init or a
@@ -219,6 +351,7 @@ def test_launcher_killed_while_its_workers_import(start):
     assert run.steps_logged() == 0
 
 
+@pytest.mark.slow
 def test_full_disk_during_a_save(launch, tmp_path):
     """A checkpoint directory on a 1 MB tmpfs: the first two checkpoints (about 400 kB each) fit, the third
     fills the disk. The run ends with one message saying so, and the earlier checkpoints stay complete."""
@@ -241,6 +374,7 @@ def test_full_disk_during_a_save(launch, tmp_path):
         subprocess.run(["umount", "-l", str(ckpt)], check=False)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_everything(start):
     run = start("2gpu.yaml", "--epochs", "50", "--log-every", "1")
     run.wait_until(lambda: run.steps_logged() >= 2 and len(run.workers()) == 2, "step 2")
@@ -250,3 +384,101 @@ def test_ctrl_c_stops_everything(start):
     assert returncode == 1, run.output[-3000:]
     assert "got signal: 2" in run.output and not (run.log_path.parent / "summary.json").exists()
     assert run.left == []
+
+
+# ---- each recipe's own stop (slow) ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_gpt_stop_on_one_rank_and_resume_under_zero3(start, shelf, shelf_data, tmp_path):
+    config = "deepspeed_zero3.yaml"
+    ref = shelf("gpt", config)
+    ckpt = tmp_path / "ckpt"
+    args = recipe_args("gpt", config, shelf_data)[:-4] + ["--checkpoint-dir", str(ckpt), "--keep-last", "0"]
+    run = start(config, *args, recipe="recipes/gpt.py")
+    run.wait_until(lambda: run.steps_logged() >= 3 and len(run.workers()) == 2, "step 3")
+    workers = run.workers()
+    frozen(workers)
+    os.kill(next(pid for pid in workers if rank_of(pid) == 1), signal.SIGUSR1)  # one rank only
+    thawed(workers)
+    assert run.stops_within() == 1  # torchrun reports the workers' 75 as 1
+    assert "stopped by a signal to another rank" in run.output and run.left == []
+    stopped_at = int(sorted(p.name for p in ckpt.iterdir())[-1].split("-")[1])
+    assert 3 <= stopped_at < 12
+    again = shelf("gpt", config, *args[len(recipe_args("gpt", config, shelf_data)) - 4:],
+                  "--output-dir", str(run.log_path.parent))
+    resumed = LaunchResult(again.returncode, again.output, run.log_path.parent)
+    assert resumed.summary["resumed_from_step"] == stopped_at
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in ref.metrics]
+    a, b = ref.params(), resumed.params()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_resnet_stop_reaches_workers_too(start, shelf, shelf_data, tmp_path):
+    """Slurm signals every process of a step, DataLoader workers included: the workers ignore it, the
+    training processes stop together and save, and the same command finishes the run."""
+    args = [*recipe_args("resnet", "2gpu.yaml", shelf_data), "--max-steps", "40", "--epochs", "10",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    run = start("2gpu.yaml", *args, recipe="recipes/resnet.py")
+    run.wait_until(lambda: run.steps_logged() >= 2 and len(run.workers()) >= 4, "step 2 with workers")
+    everyone = run.workers()
+    frozen(everyone)
+    for pid in everyone:
+        os.kill(pid, signal.SIGUSR1)
+    thawed(everyone)
+    assert run.stops_within() != 0
+    assert "stopped by SIGUSR1" in run.output and "DataLoader worker" not in run.output, run.output[-3000:]
+    assert run.left == []
+    again = shelf("resnet", "2gpu.yaml", *args[len(recipe_args("resnet", "2gpu.yaml", shelf_data)):],
+                  "--output-dir", str(run.log_path.parent))
+    s = LaunchResult(again.returncode, again.output, run.log_path.parent).summary
+    assert s["steps"] == 40 and 2 <= s["resumed_from_step"] < 40
+
+
+@pytest.mark.slow
+def test_finetune_killed_rank_then_resume_is_exact(lora, start, hf, tmp_path):
+    """LoRA under FSDP2 in bf16, sharded checkpoints: one rank killed mid-run, the resumed run ends with the
+    uninterrupted run's losses and adapter, bit for bit."""
+    config = "fsdp.yaml"
+    ref = lora(config)
+    args = [*finetune_args(hf), *LORA, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3",
+            "--keep-last", "0"]
+    run = start(config, *args, recipe="recipes/finetune_lm.py", env={"TEST_STEP_SECONDS": "0.3"},
+                launch_args=("--mixed_precision", LORA_PRECISION[config]))
+    run.wait_until(lambda: run.steps_logged() >= 4 and len(run.workers()) == 2, "step 4")
+    os.kill(next(pid for pid in run.workers() if rank_of(pid) == 1), signal.SIGKILL)
+    assert run.finish() != 0 and run.left == []
+    code, output = run_command(run.proc.args, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")})
+    assert code == 0, output[-4000:]
+    resumed = LaunchResult(code, output, run.log_path.parent)
+    assert resumed.summary["resumed_from_step"] in (3, 6)
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in ref.metrics]  # the killed run's lines too
+    adapter = "adapter/adapter_model.safetensors"
+    assert (resumed.out_dir / adapter).read_bytes() == (ref.out_dir / adapter).read_bytes()
+
+
+@pytest.mark.slow
+def test_finetune_stop_signal_exits_75_and_resumes(hf, tmp_path):
+    """python, one process: SIGTERM stops at the next step with a checkpoint and exit code 75."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    steps = 200  # a few seconds: the signal lands mid-run
+    cmd = [sys.executable, "recipes/finetune_lm.py", *finetune_args(hf), "--max-steps", str(steps),
+           "--output-dir", str(out), "--checkpoint-dir", str(ckpt), "--eval-every", "100"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.02)
+    frozen([proc.pid])  # the signal is then handled at a known point: mid-run
+    proc.send_signal(signal.SIGTERM)
+    thawed([proc.pid])
+    output = proc.communicate(timeout=120)[0]
+    check_exit(output)
+    assert proc.returncode == 75, output[-3000:]
+    stopped_at = max(int(p.name.split("-")[1]) for p in ckpt.iterdir() if p.name.startswith("step-"))
+    assert 2 <= stopped_at < steps
+    code, output = run_command(cmd)
+    assert code == 0, output[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["resumed_from_step"] == stopped_at and s["steps"] == steps

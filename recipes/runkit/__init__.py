@@ -3,18 +3,22 @@
 docs/writing-a-recipe.md is the contract a recipe relies on. One module per concern:
 
     run.py           Run: the object a recipe's loop calls; when to evaluate and when to save
+    flags.py         the run services' flags (RUN_FLAGS, add_run_args), with their help
     checkpoints.py   --checkpoint-dir: its lock, saving, choosing, loading and rotating checkpoints
     resume_rules.py  what a resumed run must share with the checkpoint, and what it may change
+    resharding.py    a resume on another world size or --grad-accum: each per-rank rule, the universal checkpoint
     integrity.py     checksums shared by the ranks, and loading that never runs code from a checkpoint
     dirlock.py       one writer per --checkpoint-dir
+    collectives.py   verdicts every rank reaches together: the main process's result, the first rank's problem
     sharded_model.py run.sharded_init(): the model built sharded under ZeRO-3 and FSDP
     stopping.py      stop signals, the agreement between ranks, exit code 75, dying with the launcher
     timing.py        the data / forward+backward / optimizer / other split, without stalling the GPU
     reporting.py     metrics.jsonl, --report-to, --profile, memory, summary.json
     refusals.py      launches that would train wrongly, refused at start-up with one message
-    engines.py       what accelerate set up, and the adjustments that make every engine train alike
+    engines.py       what accelerate set up, the adjustments that make every engine train alike, the export
     optimizers.py    which optimizer really steps, and the scheduler pointed at it
     exits.py         one message and one exit code from every rank; the process group torn down
 """
 
-from .run import Run, add_run_args  # noqa: F401
+from .flags import add_run_args  # noqa: F401
+from .run import Run  # noqa: F401

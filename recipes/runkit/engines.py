@@ -1,12 +1,13 @@
 """What accelerate really set up, and the adjustments that make every engine run the recipe's optimisation.
 
 Owns:
-  * engine / run_label: the distributed type, world size, precision, ZeRO stage and offload that run
+  * engine_facts / run_label: the distributed type, world size, precision, ZeRO stage and offload that run
     (the first log line, the summary, checkpoint layouts, the default output directory);
   * clipping: DeepSpeed clips like the recipe's --max-grad-norm, never by a config's default;
   * gradient reduction: fp32 under FSDP like DDP and the DeepSpeed JSONs, and what really runs;
   * BatchNorm buffers cast to the half precision DeepSpeed and FSDP compute in;
-  * the fp32 master weights exported from DeepSpeed's half-precision engines;
+  * the exported weights: gathered from the shards, DeepSpeed's fp32 masters rather than its half-precision
+    copies, in fp32 under the model's own names (uncompiled_name), from every engine alike;
   * torch's deprecation warning for the two collectives DeepSpeed calls at every step, silenced.
 """
 
@@ -35,7 +36,7 @@ def deepspeed_config(accelerator):
     return plugin.deepspeed_config if plugin else {}
 
 
-def engine(accelerator):
+def engine_facts(accelerator):
     """What accelerate really set up, for the first log line, the summary and checkpoint layouts."""
     zero = deepspeed_config(accelerator).get("zero_optimization", {})
     return {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
@@ -47,10 +48,10 @@ def run_label(accelerator):
     """A short name for the way this run is launched, e.g. 'ddp-2proc-bf16' or 'zero3-offload-2proc':
     the default output directory is runs/<recipe>/<label>, so swapping configs keeps each one's results,
     and the same command finds its own directory again."""
-    e = engine(accelerator)
-    kind = {DistributedType.NO: "", DistributedType.DEEPSPEED: f"zero{e['deepspeed_stage']}",
-            DistributedType.FSDP: "fsdp"}.get(accelerator.distributed_type, "ddp")
-    parts = [kind, "offload" if e["offload_optimizer"] else "", f"{e['world_size']}proc",
+    e = engine_facts(accelerator)
+    engine = {DistributedType.NO: "", DistributedType.DEEPSPEED: f"zero{e['deepspeed_stage']}",
+              DistributedType.FSDP: "fsdp"}.get(accelerator.distributed_type, "ddp")
+    parts = [engine, "offload" if e["offload_optimizer"] else "", f"{e['world_size']}proc",
              "" if e["mixed_precision"] == "no" else e["mixed_precision"]]
     dynamo = accelerator.state.dynamo_plugin
     if dynamo is not None and dynamo.backend.value != "NO":
@@ -97,26 +98,39 @@ def gradient_sync(accelerator, model):
     return {"grad_reduce_dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "overlap_comm": None}
 
 
-def exported_state_dict(accelerator, model):
-    """Collective: the state dict to export (ZeRO-3 / FSDP shards gathered; None off the main process under
-    ZeRO-3). A DeepSpeed bf16/fp16 engine holds half-precision weights and keeps the fp32 masters in its
-    optimizer; accelerate's get_state_dict returns the half-precision ones, so each trained parameter is
-    replaced by its fp32 master (DeepSpeed's safe_get_full_fp32_param, a collective under ZeRO), as DDP and FSDP
-    export theirs."""
+def uncompiled_name(key):
+    """A state dict key under the model's own name: torch.compile (a *_compile.yaml) puts _orig_mod. in every key."""
+    return key.replace("_orig_mod.", "")
+
+
+def exported_weights(accelerator, model, exclude=()):
+    """Collective: the weights to export, on the main process (None elsewhere): ZeRO-3 / FSDP shards gathered,
+    every floating-point tensor in fp32 on the CPU, under the model's own names, without the keys in `exclude`.
+    A DeepSpeed bf16/fp16 engine holds half-precision weights and keeps the fp32 masters in its optimizer;
+    accelerate's get_state_dict returns the half-precision ones, so each trained parameter is replaced by its fp32
+    master (DeepSpeed's safe_get_full_fp32_param, a collective under ZeRO), as DDP and FSDP export theirs."""
     state_dict = accelerator.get_state_dict(model)
-    if accelerator.distributed_type != DistributedType.DEEPSPEED or next(model.parameters()).dtype == torch.float32:
-        return state_dict
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and next(model.parameters()).dtype != torch.float32:
+        _with_fp32_masters(state_dict, model)
+    if not accelerator.is_main_process:
+        return None
+    named = ((uncompiled_name(k), v) for k, v in state_dict.items())
+    return {k: (v.float() if v.is_floating_point() else v).contiguous().cpu() for k, v in named if k not in exclude}
+
+
+def _with_fp32_masters(state_dict, ds_engine):
+    """Collective: each trained parameter's fp32 master from the DeepSpeed engine's optimizer into state_dict (None
+    off the main process under ZeRO-3)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     masters = {}
-    for name, param in model.module.named_parameters(remove_duplicate=False):  # the same order on every rank
+    for name, param in ds_engine.module.named_parameters(remove_duplicate=False):  # the same order on every rank
         if hasattr(param, "ds_id") and not hasattr(param, "_z3_optimizer"):
             continue  # ZeRO-3, not trained: no fp32 master
         if id(param) not in masters:
             masters[id(param)] = safe_get_full_fp32_param(param)
         if state_dict is not None and masters[id(param)] is not None and name in state_dict:
             state_dict[name] = masters[id(param)]
-    return state_dict
 
 
 def cast_buffers_for_half_precision(accelerator, model):

@@ -17,6 +17,9 @@ And a third, against whoever else can write into --checkpoint-dir: a checkpoint 
 manifest lists, every entry a regular file inside it, read with bounded size (open_regular, coverage);
 a DCP .metadata may point only at files the manifest lists, within their recorded sizes; a torch file
 must be stored uncompressed (its memory is bounded by its size); numpy arrays in it are plain RNG state.
+The manifest is written once, never through a link (write_manifest), and an entry is removed as itself,
+never through a link (remove_entry). One function checks a rank's share of any manifest's files (check_share),
+for a checkpoint and for its converted universal/ part alike.
 """
 
 import contextlib
@@ -27,6 +30,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import stat
 import types
 import zipfile
@@ -34,7 +38,7 @@ import zipfile
 import torch
 
 MANIFEST = "checkpoint.json"  # written last, by the main process: the checkpoint exists once it does
-# A checkpoint's derived part (checkpoints.py: DeepSpeed's universal checkpoint, made by a resume on another world
+# A checkpoint's derived part (resharding.py: DeepSpeed's universal checkpoint, made by a resume on another world
 # size), with a manifest of its own, and the conversion in progress; the checkpoint's own manifest lists neither.
 DERIVED, DERIVING = "universal", ".tmp-universal"
 
@@ -130,6 +134,41 @@ def check_files(root, expected):
         if size != want["size"] or digest != want["sha256"]:
             return f"{rel} does not match its recorded size and checksum (truncated or overwritten)"
     return None
+
+
+def write_manifest(directory, manifest):
+    """directory/checkpoint.json, written once (never over a file or through a link another wrote) and synced."""
+    fd = os.open(os.path.join(directory, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_share(root, files, rank, world):
+    """(damage, unsafe) of this rank's share of `files` ({rel: {size, sha256}}, a manifest's table) under root:
+    damage, the first file that is not what was saved; unsafe, the first that cannot be loaded without running
+    code or reaches outside the table; each None when there is none. Every rank checks its own share, and
+    collectives.first_rank_problems then gives every rank the verdict, before any rank loads a file."""
+    mine = my_share(list(files), rank, world)
+    try:
+        damage = check_files(root, {rel: files[rel] for rel in mine})
+        unsafe = None if damage else check_loadable(root, mine, files)
+    except OSError as exc:
+        damage, unsafe = f"it cannot be read ({exc})", None
+    return damage, unsafe
+
+
+def remove_entry(path):
+    """Remove whatever is at `path`: a directory tree, or a link or file itself (never what a link points to)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def fsync(path):

@@ -13,7 +13,7 @@ import sys
 import torch
 from accelerate.utils import DistributedType
 
-from .engines import deepspeed_config, engine
+from .engines import deepspeed_config, engine_facts
 from .exits import fail, report
 
 CPU_HINT = ("To run several processes on a CPU-only machine, set ACCELERATE_USE_CPU=1 for DDP configs; "
@@ -66,7 +66,7 @@ def check_batch(accelerator, batch_size, grad_accum=1, eval_batch_size=None):
 def refuse_optimizer_offload(accelerator, why, instead):
     """For recipes built on SGD: under DeepSpeed optimizer offload, prepare() silently replaces whatever
     torch optimizer the recipe made by DeepSpeed's CPU Adam. Stop before that, with one line."""
-    if engine(accelerator)["offload_optimizer"]:
+    if engine_facts(accelerator)["offload_optimizer"]:
         fail(accelerator, f"{why}: DeepSpeed optimizer offload silently replaces SGD by its CPU Adam; "
                           f"use {instead} instead.", everyone=True)
 

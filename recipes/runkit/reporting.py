@@ -13,15 +13,6 @@ import resource
 import torch
 
 
-def add_observability_args(parser):
-    parser.add_argument("--report-to", choices=["none", "png", "tensorboard"], default="none",
-                        help="tensorboard: log the metrics with accelerate's TensorBoard tracker into "
-                             "OUTPUT_DIR/tensorboard and draw OUTPUT_DIR/curves.png; png: only curves.png")
-    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="record a torch.profiler trace of STEPS optimizer steps (after 2 warm-up steps) into "
-                             "OUTPUT_DIR/profile, one file per rank, for Perfetto or TensorBoard")
-
-
 def start_tracking(accelerator, args):
     """Collective-free; the tracker lives on the main process. Hyper-parameters are the scalar flags."""
     if args.report_to == "tensorboard":

@@ -11,13 +11,15 @@ Owns the rules, written as data:
     how much of it there is), so a flag added to a recipe is guarded without anyone listing it.
 
 A checkpoint whose settings differ is refused with the differences named; docs/checkpoints.md has the table.
+What these rules say is done on another world size is done in resharding.py, each rule in the one place its
+PER_RANK row names.
 """
 
 import json
 
 from accelerate.utils import DistributedType
 
-from .engines import engine
+from .engines import engine_facts
 
 # Flags of the run services (add_run_args) that may differ between a run and its resume, and why.
 MAY_CHANGE = {
@@ -34,8 +36,8 @@ MAY_CHANGE = {
 }
 
 
-# Another number of processes, per kind of checkpoint (kind()): how the checkpoint's state reaches the new ranks.
-# Every kind can (ZeRO-3 with runkit's repair of DeepSpeed's stage-3 universal load: checkpoints.py).
+# Another number of processes, per kind of checkpoint (checkpoint_kind()): how the checkpoint's state reaches the new
+# ranks. Every kind can (ZeRO-3 with runkit's repair of DeepSpeed's stage-3 universal load: resharding.py).
 UNIVERSAL = ("DeepSpeed's universal checkpoint (ds_to_universal, converted once into the checkpoint's universal/ "
              "part, then load_universal) repartitions the {} onto the new ranks")
 WORLD_SIZE_CHANGE = {
@@ -53,40 +55,43 @@ RESHAPE = {
                   "processes in fewer); the global batch must divide by processes x --grad-accum",
 }
 
-# What torch.distributed.checkpoint does not reshard: each rank's own state, and the rule for it when the
-# world size changes (docs/checkpoints.md has them as a table).
+# What torch.distributed.checkpoint does not reshard: each rank's own state, the rule for it when the world
+# size changes, and the one function that applies the rule (docs/checkpoints.md has them as a table).
 PER_RANK = {
-    "RNG state (random_states_R.pkl)": "a rank the checkpoint has takes its own; a new rank takes rank 0's (the "
-                                       "ranks start from one seed); the state of a rank that no longer exists "
-                                       "is dropped",
-    "buffers (rank-R.buffers.safetensors, FSDP: BatchNorm statistics)": "a new rank takes rank 0's; those of "
-                                                                        "a rank that no longer exists are "
-                                                                        "dropped",
-    "data position": "kept: it counts optimizer steps of the global batch, and the sampler's order depends only "
-                     "on seed and epoch, so the new ranks split the same samples of each step among themselves",
-    "log window": "its loss is the mean over the old ranks, carried by every new rank, with its micro-batch "
-                  "count converted to the new --grad-accum (the same samples, in the new micro-batches)",
-    "accelerate's micro-batch counter (accelerator.step)": "set to the checkpoint's step x the new --grad-accum "
-                                                           "(Checkpointer.load): its remainder decides which "
-                                                           "micro-batch ends an optimizer step",
+    "RNG state (random_states_R.pkl)": (
+        "a rank the checkpoint has takes its own; a new rank takes rank 0's (the ranks start from one seed); the "
+        "state of a rank that no longer exists is dropped", "resharding.rng_for_new_rank"),
+    "buffers (rank-R.buffers.safetensors, FSDP: BatchNorm statistics)": (
+        "a new rank takes rank 0's; those of a rank that no longer exists are dropped",
+        "resharding.load_rank_buffers"),
+    "data position": (
+        "kept: it counts optimizer steps of the global batch, and the sampler's order depends only on seed and "
+        "epoch, so the new ranks split the same samples of each step among themselves", "run.resumable_epochs"),
+    "log window": (
+        "its loss is the mean over the old ranks, carried by every new rank, with its micro-batch count converted "
+        "to the new --grad-accum (the same samples, in the new micro-batches)", "resharding.reshaped_window"),
+    "accelerate's micro-batch counter (accelerator.step)": (
+        "set to the checkpoint's step x the new --grad-accum: its remainder decides which micro-batch ends an "
+        "optimizer step", "resharding.set_micro_batch_counter"),
 }
 
 
-def kind(saved):
+def checkpoint_kind(saved):
     """The WORLD_SIZE_CHANGE key of a layout: its family, with the ZeRO stage for DeepSpeed."""
     return f"deepspeed ZeRO-{saved['zero_stage']}" if saved["family"] == "deepspeed" else saved["family"]
 
 
-def layout(accelerator, grad_accum=1):
-    """What decides whether a checkpoint's files can be read back by this run, and how it split the batch."""
+def layout(accelerator):
+    """What decides whether a checkpoint's files can be read back by this run, and how it split the batch (the
+    accelerator's accumulation steps, after prepare(): the flag's, which a DeepSpeed config may not change)."""
     # 1 process and DDP store the same full state; DeepSpeed and FSDP store their own formats.
     family = {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(
         accelerator.distributed_type, "full")
-    return {"family": family, "zero_stage": engine(accelerator)["deepspeed_stage"],
-            "world_size": accelerator.num_processes, "grad_accum": grad_accum}
+    return {"family": family, "zero_stage": engine_facts(accelerator)["deepspeed_stage"],
+            "world_size": accelerator.num_processes, "grad_accum": accelerator.gradient_accumulation_steps}
 
 
-def settings(args, may_change, data_facts):
+def must_match_settings(args, may_change, data_facts):
     """The settings a resumed run must share: every flag but the ones that may change, plus the data facts,
     as they read back from the manifest's JSON (a tuple becomes a list)."""
     flags = {k: v for k, v in vars(args).items() if k not in MAY_CHANGE and k not in may_change}
@@ -118,7 +123,7 @@ def reshaped(manifest, now):
     saved, notes = manifest["layout"], []
     old_world, old_accum = saved["world_size"], saved_grad_accum(manifest, now)
     if old_world != now["world_size"]:
-        notes.append(f"world size {old_world} -> {now['world_size']}: {WORLD_SIZE_CHANGE[kind(saved)]}")
+        notes.append(f"world size {old_world} -> {now['world_size']}: {WORLD_SIZE_CHANGE[checkpoint_kind(saved)]}")
         if now["world_size"] > old_world:
             notes.append(f"ranks {list(range(old_world, now['world_size']))} are new: they take rank 0's RNG "
                          f"state" + (" and buffers" if saved["family"] == "fsdp" else ""))
@@ -134,17 +139,3 @@ def reshaped(manifest, now):
 def saved_grad_accum(manifest, now):
     """The checkpoint's --grad-accum: in its layout, or (written before the layout held it) its settings."""
     return manifest["layout"].get("grad_accum") or manifest["must_match"].get("grad_accum") or now["grad_accum"]
-
-
-def reshaped_window(window, manifest, now):
-    """The checkpoint's open log window as this run's ranks carry it (PER_RANK's rule): unchanged when the
-    world size and --grad-accum are; otherwise the mean loss over the old ranks on every new rank, its
-    micro-batch count converted to the new --grad-accum (a window starts at an optimizer step, so its count is
-    a whole number of optimizer steps)."""
-    old_accum = saved_grad_accum(manifest, now)
-    sums, micro = window["loss_sums"], window["micro"]
-    if len(sums) == now["world_size"] and old_accum == now["grad_accum"]:
-        return window
-    new_micro = micro // old_accum * now["grad_accum"]
-    mean = sum(sums) / len(sums) / micro if micro else 0.0
-    return {**window, "loss_sums": [mean * new_micro] * now["world_size"], "micro": new_micro}

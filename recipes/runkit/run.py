@@ -20,13 +20,15 @@ the exit code. docs/writing-a-recipe.md is the contract; in short:
                 break
     return run.finish(model)                        # model.safetensors, summary, exit code
 
-Run reads from the recipe's namespace only the flags add_run_args() adds (RUN_FLAGS); everything
-else it needs is passed explicitly. Checkpoints hold the step, the position in the epoch, the open
-log window and the last evaluation: a resumed run writes the same metrics, line for line (timings aside).
+Run reads from the recipe's namespace only the flags add_run_args() adds (RUN_FLAGS, flags.py); everything
+else it needs is passed explicitly, or read from the accelerator (its accumulation steps). Checkpoints hold
+the step, the position in the epoch, the open log window and the last evaluation: a resumed run writes the
+same metrics, line for line (timings aside).
 """
 
 import contextlib
 import itertools
+import math
 import os
 import sys
 import time
@@ -36,18 +38,19 @@ from accelerate.tracking import filter_trackers
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .checkpoints import Checkpointer, add_checkpoint_args, lock_directory
+from .checkpoints import Checkpointer, lock_directory
 from .engines import (
     cast_buffers_for_half_precision,
     deepspeed_clip_like,
-    engine,
-    exported_state_dict,
+    engine_facts,
+    exported_weights,
     fsdp_reduce_in_fp32,
     gradient_sync,
     quiet_deprecated_collectives,
     run_label,
 )
 from .exits import fail, main_print, teardown
+from .flags import RUN_FLAGS
 from .optimizers import implementation, optimizer_name, repoint_scheduler
 from .refusals import (
     check_batch,
@@ -59,32 +62,16 @@ from .refusals import (
 from .reporting import (
     MetricsLog,
     StepProfiler,
-    add_observability_args,
     footprint,
     peaks_at_start,
     plot_curves,
     start_tracking,
     write_summary,
 )
-from .resume_rules import reshaped_window, settings
-from .sharded_model import BUILT_WHOLE, sharded_building
+from .resume_rules import must_match_settings
+from .sharded_model import BUILT_WHOLE, check_whole_model_fits, sharded_building
 from .stopping import GracefulStop, die_with_launcher, how_to_stop, stopped
 from .timing import StepTimer
-
-# Every flag Run reads from the recipe's namespace; add_run_args() adds each of them.
-RUN_FLAGS = ("output_dir", "log_every", "checkpoint_dir", "checkpoint_every", "keep_last", "resume",
-             "stop_signals", "stop_check_every", "report_to", "profile")
-
-
-def add_run_args(parser, name, log_every):
-    """The flags of the run services (RUN_FLAGS): output, progress lines, checkpoints, stopping, reporting.
-    name: the recipe's, for the default output directory; log_every: its default progress cadence."""
-    parser.add_argument("--output-dir", default=None,
-                        help=f"summary.json, metrics.jsonl and the model; default runs/{name}/<how it runs>, e.g. "
-                             f"runs/{name}/ddp-2proc-bf16, so each config keeps its own results")
-    parser.add_argument("--log-every", type=int, default=log_every, help="a progress line every N optimizer steps")
-    add_checkpoint_args(parser)
-    add_observability_args(parser)
 
 
 def resumable_epochs(accelerator, loader, progress, epochs, steps_per_epoch, grad_accum=1, seed=0):
@@ -122,21 +109,22 @@ class Run:
         self.model_init = BUILT_WHOLE
 
     # ---- before prepare() -------------------------------------------------------------------------
-    def setup(self, accelerator, *, batch_size, grad_accum=1, max_grad_norm=0.0, eval_batch_size=None,
-              refuse_offload=None):
+    def setup(self, accelerator, *, batch_size, max_grad_norm=0.0, eval_batch_size=None, refuse_offload=None):
         """Launch checks (no rank trains alone, the global batch divides), DeepSpeed clipping like
         max_grad_norm, the output directory, and --checkpoint-dir's lock. refuse_offload: (why, instead)
-        for SGD recipes."""
+        for SGD recipes. The accumulation steps are the Accelerator's, read here, before prepare(): a DeepSpeed
+        config that says otherwise is refused in start()."""
         self.accelerator, self.print = accelerator, main_print(accelerator)
-        self.batch_size, self.grad_accum, self.max_grad_norm = batch_size, grad_accum, max_grad_norm
+        self.batch_size, self.max_grad_norm = batch_size, max_grad_norm
+        self.grad_accum = accelerator.gradient_accumulation_steps
         check_launch(accelerator)
         quiet_deprecated_collectives()
         if refuse_offload:
             refuse_optimizer_offload(accelerator, *refuse_offload)
-        check_batch(accelerator, batch_size, grad_accum, eval_batch_size)
+        check_batch(accelerator, batch_size, self.grad_accum, eval_batch_size)
         deepspeed_clip_like(accelerator, max_grad_norm)
         fsdp_reduce_in_fp32(accelerator)
-        self.engine = engine(accelerator)
+        self.engine_facts = engine_facts(accelerator)
         self.output_dir = self.args.output_dir or os.path.join("runs", self.name, run_label(accelerator))
         accelerator.project_configuration.set_directories(self.output_dir)  # the trackers write under it
         if self.args.report_to == "tensorboard":
@@ -154,16 +142,22 @@ class Run:
             self.model_init = how
             yield
 
+    def check_whole_model_fits(self, n_params):
+        """Before loading a pretrained model of n_params parameters (and its data): under ZeRO-3 without
+        zero3_init_flag every process loads it whole first; stop if they cannot hold it (sharded_model.py)."""
+        check_whole_model_fits(self.accelerator, n_params)
+
     def fail(self, message):
         """One clear line from the main process; every rank exits 2. Call it on every rank."""
         fail(self.accelerator, message)
 
     # ---- after prepare() --------------------------------------------------------------------------
-    def start(self, model, optimizer, scheduler, *, steps_per_epoch, total_steps, epochs, samples_per_micro,
+    def start(self, model, optimizer, scheduler, *, steps_per_epoch, total_steps, units_per_sample=1,
               data_facts=None, describe="", evaluate=None, eval_every=0, flops_per_unit=0, peak_tflops=0.0):
         """Check what prepare() built, resume from a checkpoint if there is one, open the logs and print
-        the run's first line. data_facts: what the flags do not say about the data (its source, its size),
-        which a resumed run must share. evaluate() returns a dict of metrics; it runs every eval_every
+        the run's first line. units_per_sample: how many of the run's units one sample holds (a sequence's
+        tokens), for the throughput. data_facts: what the flags do not say about the data (its source, its
+        size), which a resumed run must share. evaluate() returns a dict of metrics; it runs every eval_every
         steps and at the last, or (eval_every 0) at each epoch's end, and always on every rank."""
         acc, args = self.accelerator, self.args
         self.seed = torch.initial_seed()  # the recipe's set_seed(); a checkpoint's RNG state keeps it too
@@ -171,17 +165,21 @@ class Run:
         repoint_scheduler(optimizer, scheduler)
         self.optimizer = optimizer
         cast_buffers_for_half_precision(acc, model)
-        self.engine.update(gradient_sync(acc, model))
-        self.steps_per_epoch, self.total_steps, self.epoch_count = steps_per_epoch, total_steps, epochs
-        self.samples_per_micro, self.flops_per_unit, self.peak_tflops = samples_per_micro, flops_per_unit, peak_tflops
+        self.engine_facts.update(gradient_sync(acc, model))
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        # The epochs the loader is restarted for: as many as the steps need (none when an epoch has no step).
+        self.epoch_count = math.ceil(total_steps / steps_per_epoch) if steps_per_epoch else 0
+        # Global samples (or tokens) per forward pass, for the throughput.
+        self.samples_per_micro = self.batch_size // self.grad_accum * units_per_sample
+        self.flops_per_unit, self.peak_tflops = flops_per_unit, peak_tflops
         self.evaluate_fn, self.eval_every = evaluate, eval_every
-        must_match = settings(args, self.may_change, data_facts or {})
-        self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock,
-                                         self.grad_accum)
+        must_match = must_match_settings(args, self.may_change, data_facts or {})
+        self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock)
         chosen = self.checkpointer.choose(args.resume)
         if chosen and chosen[1]["train_state"]["step"] >= total_steps:
             self._already_complete(*chosen)
-        e, world, per_process = self.engine, acc.num_processes, self.batch_size // self.grad_accum // acc.num_processes
+        e, world = self.engine_facts, acc.num_processes
+        per_process = self.batch_size // self.grad_accum // world
         self.print(f"{e['distributed_type']} | {world} processes | mixed precision {e['mixed_precision']} | ZeRO "
                    f"stage {e['deepspeed_stage'] or '-'} | optimizer {optimizer_name(optimizer)} "
                    f"({implementation(optimizer)}) | global batch {self.batch_size} ({self.grad_accum} x "
@@ -190,10 +188,7 @@ class Run:
         self.state = {"epoch": 0, "step_in_epoch": 0, "step": 0, "epochs_run": 0, "first_loss": None,
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
         if chosen:
-            self.state.update(self.checkpointer.load(*chosen))
-            if self.state["window"]:  # written by another world size or --grad-accum: resume_rules.PER_RANK
-                self.state["window"] = reshaped_window(self.state["window"], chosen[1],
-                                                       self.checkpointer.layout)
+            self.state.update(self.checkpointer.load(*chosen))  # the log window as this run's ranks carry it
         self.resumed_from = self.state["step"] or None
         self.resumed_layout = chosen[1]["layout"] if chosen else None
         self.peaks_at_start = peaks_at_start(acc)  # building, preparing and loading the model: collective
@@ -216,8 +211,7 @@ class Run:
         self.print(f"this run is already complete: {path} holds its last step ({state['step']} of "
                    f"{self.total_steps}); its results are in {results} (summary.json, metrics.jsonl). Nothing was "
                    f"changed. To train again, give another --checkpoint-dir.")
-        if self.lock:
-            self.lock.release()
+        self.checkpointer.release()
         sys.exit(teardown(self.accelerator, 0))
 
     def _train_time(self):
@@ -373,16 +367,11 @@ class Run:
         self.stopper.ignore_from_now()
         if self._evaluation_due("end"):
             self._evaluate("end")
-        state_dict = exported_state_dict(acc, model)  # collective: gathers ZeRO-3 / FSDP shards, DeepSpeed's masters
+        weights = exported_weights(acc, model, exclude)  # collective: shards gathered, fp32, the model's own names
         shards = footprint(acc, model)
         timing = self.timer.timing(self.samples_per_micro, self.unit)
         if acc.is_main_process:
             out = self.output_dir
-            # torch.compile (a *_compile.yaml) prefixes every key with _orig_mod.: export the model's own names.
-            # fp32 from every config: DeepSpeed's bf16 engines would otherwise export bf16, DDP and FSDP fp32.
-            named = ((k.replace("_orig_mod.", ""), v) for k, v in state_dict.items())
-            weights = {k: (v.float() if v.is_floating_point() else v).contiguous().cpu()
-                       for k, v in named if k not in exclude}
             exported = export(weights) if export else os.path.join(out, "model.safetensors")
             if not export:
                 save_file(weights, exported)
@@ -396,7 +385,7 @@ class Run:
                 self.print(f"curves: {plot_curves(out, self.name)}")
             evaluation = {k: v for k, v in (s["last_eval"] or {}).items() if k != "step"}
             write_summary(out, {
-                "recipe": self.name, **self.engine, "optimizer": optimizer_name(self.optimizer),
+                "recipe": self.name, **self.engine_facts, "optimizer": optimizer_name(self.optimizer),
                 "optimizer_implementation": implementation(self.optimizer), "steps": s["step"],
                 "epochs": s["epochs_run"], "resumed_from_step": self.resumed_from,
                 "resumed_from_world_size": self.resumed_layout and self.resumed_layout["world_size"],

@@ -8,12 +8,19 @@ for this model). A Hugging Face model from from_pretrained (sharded_init(from_pr
 loaded partitioned by transformers itself under ZeRO-3; under FSDP every process maps the weight
 files (safetensors, shared page cache) and prepare() shards the main process's values. Anything
 else, and any model built outside sharded_init(): built whole.
+
+Also owns the one refusal that follows from it: ZeRO-3 with zero3_init_flag off loads a pretrained model whole on
+every process before partitioning it, which is stopped when the processes cannot hold it (check_whole_model_fits).
 """
 
 import contextlib
+import math
+import os
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast
+
+from .exits import fail
 
 BUILT_WHOLE = "built whole on every process"  # any model built outside sharded_init(), too
 
@@ -57,3 +64,22 @@ def _allocated_not_written():
     finally:
         for name, function in saved.items():
             setattr(init, name, function)
+
+
+def check_whole_model_fits(accelerator, n_params):
+    """Collective: ZeRO-3 with zero3_init_flag off loads the whole fp32 model on every process: stop, on every
+    rank, if they cannot hold it (host memory for this node's processes, or one GPU's memory)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3 or plugin.zero3_init_flag:
+        return
+    whole_gb, local = 4 * n_params / 1e9, int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    with open("/proc/meminfo") as f:
+        free_gb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) * 1024 / 1e9
+    gpu_gb = math.inf
+    if torch.cuda.is_available():
+        gpu_gb = torch.cuda.get_device_properties(accelerator.device).total_memory / 1e9
+    if broadcast(torch.tensor([float(whole_gb * local > free_gb or whole_gb > gpu_gb)], device=accelerator.device)):
+        fail(accelerator, f"ZeRO-3 with zero3_init_flag off loads the whole model on every process first: "
+                          f"{whole_gb:.1f} GB in fp32 x {local} processes here, with {free_gb:.1f} GB of host memory "
+                          f"free and {gpu_gb:.0f} GB per GPU. Set zero3_init_flag: true in the config "
+                          f"(deepspeed_zero3.yaml has it) or pass --zero3_init_flag true")

@@ -1,6 +1,6 @@
 """Stopping on a signal: every rank finishes the same step, saves, and exits 75 ("run me again").
 
-Owns the stop flags, the signal handlers, the agreement between ranks, the marker file that
+Owns the signal handlers (the flags are flags.py's), the agreement between ranks, the marker file that
 launch/ reads, the exit code, the line that tells the user how to stop a run, and the tie between a
 worker and its launcher (a worker whose launcher dies is killed, so no orphan trains on). Slurm sends
 SIGUSR1 (the templates' timer) or SIGTERM (preemption) to every process of the job step, DataLoader
@@ -16,17 +16,6 @@ import sys
 import torch
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on a signal after saving a checkpoint; run the same command again
-
-
-def add_stop_args(group):
-    group.add_argument("--stop-signals", default="USR1,TERM",
-                       help="signals that make every rank finish its step, save a checkpoint and exit "
-                            f"with code {EXIT_STOPPED} (comma-separated; '' to disable)")
-    group.add_argument("--stop-check-every", type=int, default=0, metavar="N",
-                       help="ranks agree on stopping at each progress line (--log-every), where they synchronise "
-                            "anyway, and at each epoch's end; N > 0 adds a check every N optimizer steps (one scalar "
-                            "all-reduce and a host sync each): for steps so slow that a progress window outlasts "
-                            "the grace time before the job is killed")
 
 
 def signal_numbers(names):

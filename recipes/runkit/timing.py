@@ -125,11 +125,8 @@ class StepTimer:
                 "compute_time": self.total_compute}
 
     def load_window_state(self, state):
-        sums = state["loss_sums"]
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        # Another world size (DDP checkpoints allow it): each rank carries the mean of the old ranks.
-        own = sums[rank] if len(sums) == world else sum(sums) / len(sums)
-        self.loss.fill_(own)
+        """A checkpoint's window, one loss sum per rank of this run (resharding.reshaped_window's rule)."""
+        self.loss.fill_(state["loss_sums"][self.accelerator.process_index])
         self.micro = state["micro"]
         self.total_data, self.total_compute = state["data_time"], state["compute_time"]
 

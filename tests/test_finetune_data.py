@@ -1,5 +1,6 @@
-"""recipes/finetune_lm.py's data: chat conversations learned on their assistant turns only, the format read from
-the columns, values of the wrong type refused with one message, the examples --block-size cuts counted, and a
+"""recipes/finetune_data/examples.py, finetune_lm.py's data: labels set by position (a pair's prompt and the padding
+never in the loss), chat conversations learned on their assistant turns only, the format read from the columns,
+values of the wrong type refused with one message (DataProblem), the examples --block-size cuts counted, and a
 --block-size that fits the model by default.
 
 Most of it runs in this process on tests/tiny_hf.py's tokenizer (its chat template has {% generation %} markers;
@@ -7,20 +8,27 @@ copies without markers and without a template); two runs of the recipe (python, 
 run shows: a refusal without a traceback, and a chat fine-tune's summary.
 """
 
-import contextlib
 import json
 import math
 import sys
 
 import pytest
 
-from launching import REPO, Run, run_command
+from launching import REPO, LaunchResult, run_command
 from run_checks import assert_refused
 from tiny_hf import PLAIN_CHAT_TEMPLATE, conversations, corpus, uneven_pairs, with_chat_template, write_all
 
 sys.path.insert(0, str(REPO / "recipes"))
-import finetune_lm  # noqa: E402
-from finetune_lm import IGNORE, assistant_positions, encode_chat, load_examples, parse_args  # noqa: E402
+from finetune_data.examples import (  # noqa: E402
+    IGNORE,
+    DataProblem,
+    assistant_positions,
+    cut_note,
+    encode_chat,
+    encode_pair,
+    load_examples,
+)
+from finetune_lm import parse_args  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -37,29 +45,15 @@ def tokenizer(root, name):
     return AutoTokenizer.from_pretrained(root / name)
 
 
-class Refused(Exception):
-    pass
-
-
-class OneProcess:
-    """What load_examples needs of the Accelerator and of the Run, in this process."""
-
-    def main_process_first(self):
-        return contextlib.nullcontext()
-
-    def fail(self, message):
-        raise Refused(message)
-
-
 def examples(root, data, *flags, model="model", block_size=64):
     """load_examples on `data` with the recipe's own flags: (train, validation, format, source, cuts)."""
     args = parse_args(["--model", str(root / model), "--data-files", str(root / data), *flags])
-    one = OneProcess()
-    return load_examples(args, one, one, tokenizer(root, model), block_size)
+    return load_examples(args, tokenizer(root, model), block_size)
 
 
 def refusal(root, data, *flags, model="model"):
-    with pytest.raises(Refused) as refused:
+    """The one message of the DataProblem that load_examples raises (the recipe ends the run with it)."""
+    with pytest.raises(DataProblem) as refused:
         examples(root, data, *flags, model=model)
     return str(refused.value)
 
@@ -67,6 +61,17 @@ def refusal(root, data, *flags, model="model"):
 CHAT = [{"role": "system", "content": "You add and multiply."},
         {"role": "user", "content": "Question: what is 3 plus 4?"}, {"role": "assistant", "content": "It is 7."},
         {"role": "user", "content": "Question: what is 6 times 2?"}, {"role": "assistant", "content": "It is 12."}]
+
+
+def test_labels_are_set_by_position():
+    """The pad positions and the prompt are never in the loss, whatever their token ids; the response and
+    its end-of-sequence token are, even when the pad token is the end-of-sequence token."""
+    eos = pad = 2
+    ids, labels = encode_pair([0, 5, 6], [7, 2, 8], eos, pad, 10)  # a response that contains the eos id
+    assert ids == [0, 5, 6, 7, 2, 8, eos, pad, pad, pad]
+    assert labels == [IGNORE] * 3 + [7, 2, 8, eos] + [IGNORE] * 3
+    ids, labels = encode_pair([0, 5, 6], [7, 8, 9], eos, 4, 5)  # cut at the block size: no padding
+    assert ids == [0, 5, 6, 7, 8] and labels == [IGNORE] * 3 + [7, 8]
 
 
 def test_chat_labels_are_the_assistant_turns_by_position(tiny):
@@ -168,7 +173,7 @@ def test_the_examples_block_size_cuts_are_counted(tiny, data, block):
     total = len(conversations()) if data == "chat.jsonl" else len(uneven_pairs())
     assert cuts == {"tokenised_examples": total, "cut_examples": cut, "dropped_examples": dropped}
     assert len(train) + len(validation) == total - dropped
-    note = finetune_lm.cut_note(cuts, "chat", block)
+    note = cut_note(cuts, "chat", block)
     assert f"{cut} of {total} examples cut at --block-size {block}" in note
     assert (f"{dropped} dropped" in note) == (dropped > 0)
 
@@ -177,7 +182,7 @@ def recipe(tiny, out, *flags):
     cmd = [sys.executable, "recipes/finetune_lm.py", "--model", str(tiny / "model"), "--output-dir", str(out),
            "--max-steps", "6", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "1", "--log-every", "1",
            "--eval-every", "3", "--eval-batches", "2", "--sample-tokens", "6", "--save-dtype", "float32", *flags]
-    return Run(*run_command(cmd), out)
+    return LaunchResult(*run_command(cmd), out)
 
 
 @pytest.mark.slow

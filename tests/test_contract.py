@@ -1,20 +1,35 @@
-"""Quick checks: configs parse with accelerate's own loader, are commented, and recipes keep the contract."""
+"""The contract every recipe keeps (docs/writing-a-recipe.md), read from the source and observed from outside.
+
+Of the recipes: no torch.distributed, DistributedSampler, DistributedDataParallel or .cuda(); --help with defaults,
+no abbreviations, an unknown flag refused, a help text for every flag; a docstring with the commands and a dated
+result; a loop that reads as plain PyTorch; the README naming exactly the accelerate calls they make. Of runkit:
+one concern per module, each listed once, no name defined twice, nothing below run.py importing it.
+
+What Run promises every recipe built on it, observed from outside (slow: real runs):
+* a resumed run must match every flag but the declared ones that may change (recipes/runkit/resume_rules.py);
+* the same command again after the run finished changes nothing and exits 0;
+* --checkpoint-every alone sets the checkpoint cadence (the last step is saved too);
+* each way of running keeps its own default output directory, runs/<recipe>/<how it runs>;
+* a resume is exact with dropout on.
+"""
 
 import ast
 import datetime
+import hashlib
 import json
 import re
 import subprocess
 import sys
 
 import pytest
-from accelerate.commands.config.config_args import load_config_from_file
 
-from launching import CONFIG_DIR, CONFIG_FILES, REPO, load_yaml
+from launching import CONFIG_DIR, DATA_ARGS, REPO, launch_command, recipe_args, run_command
 
 TRAINING_RECIPES = sorted((REPO / "recipes").glob("*.py"))
 RECIPES = TRAINING_RECIPES + sorted((REPO / "recipes" / "quickstart").glob("*.py"))
 RUNKIT = sorted((REPO / "recipes" / "runkit").glob("*.py"))
+# A recipe's own modules beside it (synthetic_data/, finetune_data/, lora/): part of the recipe, under its contract.
+RECIPE_MODULES = sorted(p for p in (REPO / "recipes").glob("*/*.py") if p.parent.name not in ("quickstart", "runkit"))
 
 
 def imports_run(path):
@@ -24,47 +39,6 @@ def imports_run(path):
 
 
 RUN_RECIPES = [p for p in TRAINING_RECIPES if imports_run(p)]
-
-
-def test_the_promised_configs_exist():
-    assert set(CONFIG_FILES) >= {"cpu.yaml", "1gpu.yaml", "2gpu.yaml", "multinode.yaml", "deepspeed_zero1.yaml",
-                                "deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "deepspeed_zero3_offload.yaml",
-                                "fsdp.yaml", "1gpu_compile.yaml", "2gpu_compile.yaml"}
-
-
-@pytest.mark.parametrize("config", CONFIG_FILES)
-def test_config_parses_with_accelerates_loader(config):
-    cfg = load_config_from_file(str(CONFIG_DIR / config))
-    assert cfg.compute_environment.value == "LOCAL_MACHINE"
-    raw = load_yaml(config)
-    ds = raw.get("deepspeed_config") or {}
-    # An optimizer/scheduler block forces DummyOptim; 'auto' sizes need a hidden_size a CNN lacks.
-    assert not {"optimizer", "scheduler"} & set(ds), "DeepSpeed optimizer block breaks the recipe contract"
-    assert "auto" not in map(str, ds.values())
-    if raw["distributed_type"] == "FSDP":
-        assert raw["fsdp_config"]["fsdp_version"] == 2
-    if raw["distributed_type"] == "DEEPSPEED":
-        # Every DeepSpeed setting in one JSON next to the YAML (accelerate refuses a mix of the two).
-        assert set(ds) <= {"deepspeed_config_file", "zero3_init_flag"} and "mixed_precision" not in raw
-        js = json.loads((REPO / ds["deepspeed_config_file"]).read_text())
-        assert not {"optimizer", "scheduler"} & set(js), "DeepSpeed optimizer block breaks the recipe contract"
-        # 'auto' only where accelerate fills it from the recipe (batch, accumulation, clipping), never from
-        # a transformer's hidden_size, which a CNN lacks.
-        assert {k for k, v in js.items() if v == "auto"} <= {"train_batch_size", "train_micro_batch_size_per_gpu",
-                                                           "gradient_accumulation_steps", "gradient_clipping"}
-        assert "auto" not in map(str, js["zero_optimization"].values())
-        zero = js["zero_optimization"]
-        assert zero["stage"] == int(re.search(r"zero(\d)", config).group(1))
-        assert js["communication_data_type"] == "fp32" and zero["overlap_comm"] is True
-        if zero["stage"] == 3:
-            assert zero["stage3_gather_16bit_weights_on_model_save"] is True
-
-
-@pytest.mark.parametrize("config", CONFIG_FILES)
-def test_every_key_has_a_comment(config):
-    for line in (CONFIG_DIR / config).read_text().splitlines():
-        if re.match(r"^\s*[A-Za-z_0-9]+:", line):
-            assert "#" in line, f"{config}: key without a comment: {line!r}"
 
 
 FORBIDDEN = {
@@ -94,7 +68,7 @@ def contract_violations(source):
     return found
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+@pytest.mark.parametrize("recipe", RECIPES + RECIPE_MODULES, ids=lambda p: str(p.relative_to(REPO / "recipes")))
 def test_recipe_contract(recipe):
     assert contract_violations(recipe.read_text()) == set(), FORBIDDEN
 
@@ -278,13 +252,6 @@ def call_root(node):
     return node.id if isinstance(node, ast.Name) else ast.unparse(node)
 
 
-@pytest.mark.parametrize("module", RUNKIT, ids=lambda p: p.name)
-def test_runkit_module_owns_one_concern(module):
-    tree = ast.parse(module.read_text())
-    doc = ast.get_docstring(tree)
-    assert doc and len(doc) > 80, f"{module.name}: a docstring that says what it owns"
-
-
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.name)
 def test_help_shows_defaults_and_refuses_abbreviations(recipe):
     result = subprocess.run([sys.executable, str(recipe), "--help"], cwd=REPO, capture_output=True, text=True,
@@ -297,7 +264,7 @@ def test_help_shows_defaults_and_refuses_abbreviations(recipe):
 
 
 def test_every_flag_has_help():
-    for recipe in TRAINING_RECIPES + RUNKIT:
+    for recipe in TRAINING_RECIPES + RECIPE_MODULES + RUNKIT:
         for node in ast.walk(ast.parse(recipe.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("add_argument"):
                 assert any(k.arg == "help" for k in node.keywords), f"{recipe.name}: {ast.unparse(node)[:80]}"
@@ -321,14 +288,120 @@ def test_readme_pitch_names_exactly_the_accelerate_calls():
     assert "`Accelerator(...)`" in line
 
 
-def test_no_config_overrides_the_gpus_slurm_assigned(tmp_path):
-    """CUDA_VISIBLE_DEVICES (set by Slurm, or by the user) reaches the worker unchanged: no shipped config
-    names its own GPU ids (1gpu.yaml once said '0' and took GPU 0 whatever Slurm had assigned)."""
-    assert all(load_yaml(c).get("gpu_ids", "all") == "all" for c in CONFIG_FILES)
-    probe = tmp_path / "probe.py"
-    probe.write_text("import os\nprint('visible=' + os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>'))\n")
-    result = subprocess.run(["accelerate", "launch", "--config_file", str(CONFIG_DIR / "1gpu.yaml"), str(probe)],
-                            cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "1"})
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "visible=1" in result.stdout, result.stdout
+def runkit_table():
+    """{module file: its concern} from the table in runkit/__init__.py's docstring (one line per module)."""
+    doc = ast.get_docstring(ast.parse((REPO / "recipes" / "runkit" / "__init__.py").read_text()))
+    rows = [re.match(r"\s+(\w+\.py)\s+(.+)", line) for line in doc.splitlines()]
+    names = [row.group(1) for row in rows if row]
+    assert len(names) == len(set(names)), f"a module listed twice: {names}"
+    return {row.group(1): row.group(2) for row in rows if row}
+
+
+def test_each_runkit_module_owns_one_listed_concern():
+    """runkit/__init__.py lists every module once, with its concern, and each module's docstring says what it
+    owns; no public name is defined in two modules (one owner per decision); and no module below run.py imports
+    run.py (the Run object sits on top of the services, never under them)."""
+    table = runkit_table()
+    modules = {p.name for p in RUNKIT} - {"__init__.py"}
+    assert set(table) == modules, (set(table) ^ modules)
+    defined = {}
+    for path in RUNKIT:
+        tree = ast.parse(path.read_text())
+        assert ast.get_docstring(tree), f"{path.name}: a docstring that says what it owns"
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                defined.setdefault(node.name, []).append(path.name)
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
+        assert path.name in ("__init__.py", "run.py") or "run" not in imported, f"{path.name} imports run.py"
+    twice = {name: where for name, where in defined.items() if len(where) > 1}
+    assert not twice, f"defined in more than one runkit module: {twice}"
+
+
+# ---- Run's contract, observed from launches ----------------------------------------------------------------
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_a_resume_must_match_every_training_flag(shelf, shelf_data):
+    """gpt's shelf run (12 steps, --checkpoint-every 4): its final checkpoint refuses a resume that changes
+    --max-grad-norm or --dropout (both once left out of a hand-written list), and the same command again
+    only says the run is complete."""
+    ref = shelf("gpt", "cpu.yaml")
+    ckpt = shelf_data / "ckpt-gpt-cpu.yaml"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == [
+        "step-00000004", "step-00000008", "step-00000012"]
+    manifest = json.loads((ckpt / "step-00000012" / "checkpoint.json").read_text())
+    # Every parsed flag is guarded except those that may change: the run services' and the sample's.
+    assert {"max_grad_norm", "dropout", "lr", "seed", "batch_size", "grad_accum"} <= set(manifest["must_match"])
+    assert not {"output_dir", "log_every", "checkpoint_dir", "resume", "prompt", "peak_tflops"} & set(
+        manifest["must_match"])
+    command, env = launch_command("cpu.yaml", None, ref.out_dir, *recipe_args("gpt", "cpu.yaml", shelf_data),
+                                  recipe="recipes/gpt.py")
+    for flag, value, saved in (("--max-grad-norm", "0.5", "1.0"), ("--dropout", "0.1", "0.0")):
+        code, output = run_command([*command, flag, value], env=env)
+        name = flag[2:].replace("-", "_")
+        # 1: accelerate's single-process launcher turns its worker's exit code 2 into its own failure.
+        assert code == 1 and f"error: cannot resume from {ckpt / 'step-00000012'}: these settings differ" in output
+        assert f"{name} {saved} vs {value}" in output, output[-3000:]
+    before = {name: digest(ref.out_dir / name) for name in ("summary.json", "metrics.jsonl", "model.safetensors")}
+    code, output = run_command(command, env=env)
+    assert code == 0 and "this run is already complete" in output and str(ref.out_dir) in output, output[-3000:]
+    assert {name: digest(ref.out_dir / name) for name in before} == before
+
+
+@pytest.mark.slow
+def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
+    """1 process, then 2-process DDP, from the same working directory and without --output-dir: each keeps
+    its results in runs/mnist/<how it runs>. 10 steps per epoch with --checkpoint-every 3: saves at 3, 6, 9,
+    12, 15, 18 and the last step 20, none at the epoch's end (step 10)."""
+    common = [str(REPO / "recipes" / "mnist.py"), "--data-dir", str(data_dir), *DATA_ARGS, "--epochs", "2",
+              "--batch-size", "200", "--log-every", "5"]
+    single = [sys.executable, *common, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3",
+              "--keep-last", "0"]
+    code, output = run_command(single, cwd=tmp_path)
+    assert code == 0, output[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == [
+        f"step-{n:08d}" for n in (3, 6, 9, 12, 15, 18, 20)]
+    alone = tmp_path / "runs" / "mnist" / "1proc"
+    assert json.loads((alone / "summary.json").read_text())["checkpoints"]["saves"] == 7
+    first = digest(alone / "summary.json")
+
+    ddp = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / "2gpu.yaml"), "--mixed_precision", "no",
+           *common, "--max-steps", "2"]
+    code, output = run_command(ddp, env={"ACCELERATE_USE_CPU": "1"}, cwd=tmp_path)
+    assert code == 0, output[-3000:]
+    assert json.loads((tmp_path / "runs" / "mnist" / "ddp-2proc" / "summary.json").read_text())["world_size"] == 2
+    assert sorted(p.name for p in (tmp_path / "runs" / "mnist").iterdir()) == ["1proc", "ddp-2proc"]
+
+    # The first command again: complete, results named, nothing rewritten, exit 0.
+    code, output = run_command(single, cwd=tmp_path)
+    assert code == 0 and "this run is already complete" in output and "runs/mnist/1proc" in output, output[-3000:]
+    assert digest(alone / "summary.json") == first
+
+
+def test_run_refuses_a_namespace_without_its_flags():
+    """A recipe author who forgets add_run_args() learns it at once, by name, not from an AttributeError later."""
+    probe = ("import argparse, sys; sys.path.insert(0, 'recipes'); from runkit import Run\n"
+             "Run('x', argparse.Namespace(batch_size=8))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "call add_run_args(parser, ...)" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_resume_is_exact_with_dropout(shelf_data, tmp_path):
+    """Dropout draws from torch's global RNG, which a checkpoint restores; nothing else may draw from it between
+    the restore and the next step (a DataLoader's iterator once did, at the resume point). 1 process, gpt with
+    --dropout 0.1: resumed from step 4, steps 5-8 log the uninterrupted run's losses bit for bit."""
+    base = [sys.executable, str(REPO / "recipes" / "gpt.py"), *recipe_args("gpt", "cpu.yaml", shelf_data)[:-4],
+            "--dropout", "0.1", "--max-steps", "8", "--sample-tokens", "0", "--keep-last", "0"]
+    code, output = run_command([*base, "--output-dir", str(tmp_path / "whole"), "--checkpoint-dir",
+                                str(tmp_path / "ckpt")])
+    assert code == 0, output[-3000:]
+    code, output = run_command([*base, "--output-dir", str(tmp_path / "resumed"), "--checkpoint-dir",
+                                str(tmp_path / "ckpt2"), "--resume", str(tmp_path / "ckpt" / "step-00000004")])
+    assert code == 0 and "resumed from" in output, output[-3000:]
+    losses = [[(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / name / "metrics.jsonl").open())]
+              for name in ("whole", "resumed")]
+    assert losses[1] == [step for step in losses[0] if step[0] > 4] and len(losses[1]) == 4

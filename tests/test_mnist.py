@@ -1,4 +1,6 @@
-"""Real multi-process launches of recipes/mnist.py under every config, on CPU (see launching.py's CPU route)."""
+"""recipes/mnist.py: real multi-process launches under every config, on CPU (see launching.py's CPU route).
+
+The launches refused by runkit's start-up checks (refusals.py), made with mnist.py, are in test_refusals.py."""
 
 import json
 import math
@@ -188,31 +190,13 @@ def test_grad_accum_equals_one_large_batch(launch, config):
     assert [m["loss"] for m in accum.metrics] == pytest.approx([m["loss"] for m in plain.metrics], rel=1e-4)
 
 
-# --- errors a user can cause: one clear message, non-zero exit ---------------------------------
-
-def test_global_batch_must_divide(launch):
-    run = launch("2gpu.yaml", "--batch-size", "127", launch_args=FP32, check=False)
-    assert run.returncode == 1  # torchrun reports any failed worker as 1; the recipe itself exits 2
-    assert "error: --batch-size 127 is the global batch" in run.output
-    assert "Traceback" not in run.output.split("error: --batch-size")[0][-2000:]
-    assert "eval-batch-size" not in run.output  # 1000 divides by 2: only the real problem is named
-    # The launcher's failure summary, printed last, ends with the same line instead of a docs pointer.
-    summary = run.output[run.output.rindex("Root Cause"):]
-    assert "traceback : error: --batch-size 127 is the global batch" in summary, summary
-
+# --- errors a user can cause in mnist's own flags: one clear message, non-zero exit ---------------
 
 def test_strict_mnist_offline_says_what_to_do(launch, tmp_path):
     run = launch("2gpu.yaml", "--data", "mnist", "--data-dir", str(tmp_path / "empty"), launch_args=FP32,
                  check=False)
     assert run.returncode != 0
     assert "MNIST is not in" in run.output and "login node" in run.output
-
-
-def test_gpu_config_on_cpu_refuses_independent_copies(launch):
-    """A MULTI_GPU config on a machine without GPUs would train 2 unrelated copies; the recipe stops."""
-    run = launch("2gpu.yaml", *SHORT, launch_args=FP32, env={"ACCELERATE_USE_CPU": "0"}, check=False)
-    assert run.returncode != 0
-    assert "the launcher started 2 processes" in run.output and "ACCELERATE_USE_CPU=1" in run.output
 
 
 @pytest.mark.parametrize("extra", [(), ("--stop-signals", "", "--stop-check-every", "1")],
@@ -231,52 +215,6 @@ def test_no_host_sync_between_progress_lines(launch, tmp_path, extra):
         busy = {int(step) for step, calls in counts.items() if calls}
         assert {1, 20, 40} <= busy, counts  # the progress lines reduce the loss: the counter sees them
         assert busy <= {0, 1, 20, 40, 60}, {k: v for k, v in counts.items() if int(k) not in (0, 1, 20, 40, 60)}
-
-
-def test_more_processes_than_gpus_is_refused_before_anything_is_built(launch):
-    """2gpu.yaml on a node with one GPU (simulated: torch.cuda reports 1) fails at once with the fixes, instead
-    of CUDA's 'invalid device ordinal' after the model and data are built."""
-    run = launch("2gpu.yaml", *SHORT, launch_args=FP32, env={"ACCELERATE_USE_CPU": "0", "TEST_FAKE_GPUS": "1"},
-                 check=False)
-    assert run.returncode == 1
-    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: this node has 1 GPU(s) and the launch starts 2 processes on it (num_processes 2): pass "
-                      "--num_processes 1 to accelerate launch, or use accelerate_configs/1gpu.yaml, or set "
-                      "ACCELERATE_USE_CPU=1 for a run on the CPU."], run.output[-3000:]
-    assert "DATA:" not in run.output  # refused before the data (and the model)
-
-
-def test_deepspeed_config_without_its_cpu_route_is_refused(launch):
-    """ACCELERATE_USE_CPU=1 silently turns DeepSpeed off: the recipe says so instead of training DDP."""
-    run = launch("deepspeed_zero2.yaml", *SHORT, launch_args=FP32, env={"ACCELERATE_USE_CPU": "1", "PYTHONPATH": ""},
-                 check=False)
-    assert run.returncode == 1
-    assert "error: the config asks for DEEPSPEED but accelerate is running MULTI_CPU" in run.output, run.output[-3000:]
-
-
-def test_deepspeed_config_may_not_contradict_the_flags(launch, tmp_path):
-    ds = json.loads((CONFIG_DIR / "deepspeed_zero2.json").read_text())
-    ds["gradient_accumulation_steps"] = 4  # contradicts --grad-accum
-    (tmp_path / "zero2_gas4.json").write_text(json.dumps(ds))
-    bad = tmp_path / "zero2_gas4.yaml"
-    bad.write_text((CONFIG_DIR / "deepspeed_zero2.yaml").read_text().replace(
-        "accelerate_configs/deepspeed_zero2.json", str(tmp_path / "zero2_gas4.json")))
-    run = launch(str(bad), *SHORT, launch_args=FP32, check=False)
-    assert run.returncode != 0
-    assert "gradient_accumulation_steps=4" in run.output and "remove those keys" in run.output
-
-
-@pytest.mark.parametrize("content, message", [
-    ("distributed_type: MULTI_GPU\nnum_processes: [2\n", "while parsing"),
-    ("distributed_type: MULTI_GPU\nnum_procesess: 2\n", "unknown keys (['num_procesess'])"),
-])
-def test_bad_yaml_is_rejected_before_any_process_starts(launch, tmp_path, content, message):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("compute_environment: LOCAL_MACHINE\n" + content)
-    run = launch(str(bad), "--epochs", "1", check=False)
-    assert run.returncode != 0
-    assert message in run.output and "bad.yaml" in run.output
-    assert "DATA:" not in run.output  # the recipe never started
 
 
 def test_deepspeed_bf16_exports_the_fp32_masters(launch):

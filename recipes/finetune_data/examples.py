@@ -1,0 +1,237 @@
+"""Fine-tuning examples: records read through `datasets`, tokenised into input_ids and labels a causal model learns.
+
+Owns finetune_lm.py's data layer, behind one call, load_examples(), which returns the training and validation
+examples, the format, the source and the cut counts, and raises DataProblem, with one message for the user,
+for every problem with the data (no file, an unreadable source, a missing column, a value of the wrong kind, a
+chat without a template, too few examples):
+
+  * the formats and how the columns choose one: chat (conversations of {role, content} turns, rendered with the
+    tokenizer's chat template), pairs (prompt/response records) and text (plain text packed into blocks);
+  * the labels, set by position and not by token id: a chat learns its assistant turns and their end-of-turn
+    tokens (from the template's {% generation %} markers, or else from rendering each conversation's prefixes),
+    a pair its response and the end-of-sequence token; prompts and padding are IGNORE;
+  * the examples --block-size cuts (their last response's end lost) and drops (nothing left to learn), counted;
+  * the held-out split, the same on every rank.
+
+The caller runs load_examples() inside accelerator.main_process_first(), so that the main process tokenises and
+caches and the others reuse its cache, and catches DataProblem there: every rank then leaves together.
+It makes no distributed call itself.
+"""
+
+import glob
+import os
+import re
+from typing import NamedTuple
+
+IGNORE = -100  # label of a position that is not in the loss (cross_entropy's ignore_index)
+
+# What --format auto needs in the columns for each format, and what to name when they are missing.
+COLUMN_FLAGS = {"pairs": ("prompt_column", "response_column"), "chat": ("messages_column",),
+                "text": ("text_column",)}
+MISSING_COLUMN_FIX = {
+    "pairs": "--prompt-column and --response-column, or give conversations with --format chat --messages-column "
+             "NAME, or text with --format text --text-column NAME",
+    "chat": "--messages-column (a column of {role, content} turns), or use --format pairs or text",
+    "text": "--text-column (a column of strings), or use --format pairs or chat"}
+NO_CHAT_TEMPLATE = ("--format chat renders conversations with the tokenizer's chat template, and {model}'s tokenizer "
+                    "has none: give a model whose tokenizer has one (an instruct or chat model), or set one in its "
+                    "directory (chat_template.jinja, or chat_template in tokenizer_config.json)")
+MIN_EXAMPLES = 20  # fewer leave no held-out example to evaluate on
+
+
+class DataProblem(ValueError):
+    """Any problem with the data: reported as one message, never as a tokenizer's or a loader's traceback."""
+
+
+class Examples(NamedTuple):
+    """What load_examples() returns: the tokenised splits (torch format), the format read, where the data came
+    from, and the cut counts (tokenised_examples, cut_examples, dropped_examples)."""
+    train: object
+    validation: object
+    format: str
+    source: str
+    cuts: dict
+
+
+def add_data_args(parser):
+    """The flags load_examples() reads: where the data is, its format and its columns."""
+    parser.add_argument("--data-files", default=None,
+                        help="local .txt or .jsonl/.json files or globs, comma-separated")
+    parser.add_argument("--dataset", default=None, help="a Hugging Face hub dataset (needs internet)")
+    parser.add_argument("--dataset-config", default=None, help="its configuration name")
+    parser.add_argument("--format", choices=("auto", "chat", "pairs", "text"), default="auto",
+                        help="chat: conversations in the tokenizer's chat template, the assistant turns learned; "
+                             "pairs: prompt/response records; text: packed plain text; auto: chat when the records "
+                             "have --messages-column, pairs when they have the prompt and response columns, else text")
+    parser.add_argument("--messages-column", default="messages",
+                        help="chat: the column with each conversation, a list of {role, content} turns")
+    parser.add_argument("--prompt-column", default="prompt", help="pairs: the column with the prompt")
+    parser.add_argument("--response-column", default="response", help="pairs: the column with the response to learn")
+    parser.add_argument("--text-column", default="text", help="text: the column with the text")
+
+
+def load_examples(args, tokenizer, block_size):
+    """The examples of the data the flags name (args: --data-files or --dataset and --dataset-config, --format, the
+    column flags, --seed, --model for messages), block_size tokens each. Raises DataProblem."""
+    source, records, load = data_reader(args)
+    try:
+        raw = load()
+    except Exception as exc:  # no network for the hub, a malformed file, a proxy...
+        raise DataProblem(f"could not load {source!r} ({type(exc).__name__}: {exc}). Offline, use --data-files") \
+            from None
+    fmt = choose_format(args, records, raw.column_names)
+    check_columns(args, fmt, source, raw.column_names, tokenizer)
+    try:
+        data = raw.map(tokenise(fmt, args, tokenizer, block_size), batched=True, remove_columns=raw.column_names,
+                       desc="tokenising")
+    except DataProblem as exc:
+        raise DataProblem(f"{source!r} cannot be read as --format {fmt}: {exc}") from None
+    cuts = {"tokenised_examples": len(data), "cut_examples": sum(data["cut"]),
+            "dropped_examples": sum(n == 0 for n in data["in_loss"])}
+    data = data.filter(lambda e: e["in_loss"] > 0, desc="dropping examples with nothing to learn")
+    if len(data) < MIN_EXAMPLES:
+        raise DataProblem(f"{source!r} gives only {len(data)} examples of at most {block_size} tokens; give more data")
+    split = data.train_test_split(test_size=0.05, seed=args.seed)  # cached too: the same on every rank
+    return Examples(split["train"].with_format("torch"), split["test"].with_format("torch"), fmt, source, cuts)
+
+
+def data_reader(args):
+    """(source, whether it holds records with columns, a function that loads it as one `datasets` split)."""
+    from datasets import load_dataset  # here: --help stays quick
+    if args.dataset:
+        return args.dataset, True, lambda: load_dataset(args.dataset, args.dataset_config, split="train")
+    files = sorted(f for pattern in (args.data_files or "").split(",") if pattern
+                   for f in glob.glob(os.path.expanduser(pattern)))
+    if not files:
+        raise DataProblem(f"--data-files {args.data_files!r} matches no file; give .txt or .jsonl paths or globs")
+    records = all(f.endswith((".json", ".jsonl")) for f in files)
+    return args.data_files, records, lambda: load_dataset("json" if records else "text", data_files=files,
+                                                          split="train")
+
+
+def choose_format(args, records, columns):
+    """--format, or for auto the format the columns say: records (JSON, or a hub dataset) or plain text files."""
+    if args.format != "auto":
+        return args.format
+    if not records:
+        return "text"
+    if args.messages_column in columns:
+        return "chat"
+    if args.prompt_column in columns and args.response_column in columns:
+        return "pairs"
+    return "text" if args.text_column in columns else "pairs"  # pairs' missing-column message names every format
+
+
+def check_columns(args, fmt, source, columns, tokenizer):
+    """Raise DataProblem when the data lacks the format's columns, or a chat's tokenizer has no template."""
+    if missing := [c for c in (getattr(args, flag) for flag in COLUMN_FLAGS[fmt]) if c not in columns]:
+        raise DataProblem(f"{source!r} has the columns {columns}, not {missing}: name them with "
+                          f"{MISSING_COLUMN_FIX[fmt]}")
+    if fmt == "chat" and tokenizer.chat_template is None:
+        raise DataProblem(NO_CHAT_TEMPLATE.format(model=args.model))
+
+
+def tokenise(fmt, args, tokenizer, block_size):
+    """The batched map from records to input_ids and labels (block_size long), in_loss (positions in the loss
+    after the first) and cut (the end of the last response lost to block_size)."""
+    eos = tokenizer.eos_token_id
+    pad_id = eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+    def checked(batch, column, conversation=False):
+        for value in batch[column]:
+            if problem := value_problem(column, value, conversation):
+                raise DataProblem(problem)
+        return batch[column]
+
+    def examples(encoded, cut):
+        return {"input_ids": [x for x, _ in encoded], "labels": [y for _, y in encoded],
+                "in_loss": [sum(t != IGNORE for t in y[1:]) for _, y in encoded], "cut": cut}
+
+    def pairs(batch):
+        prompts = tokenizer(checked(batch, args.prompt_column))["input_ids"]
+        responses = tokenizer(checked(batch, args.response_column), add_special_tokens=False)["input_ids"]
+        return examples([encode_pair(p, r, eos, pad_id, block_size) for p, r in zip(prompts, responses)],
+                        [len(p) + len(r) + 1 > block_size for p, r in zip(prompts, responses)])
+
+    def chat(batch):
+        rendered = [assistant_positions(tokenizer, m) for m in checked(batch, args.messages_column, True)]
+        return examples([encode_chat(ids, learned, pad_id, block_size) for ids, learned in rendered],
+                        [any(learned[block_size:]) for _, learned in rendered])
+
+    def packed(batch):  # documents joined by end-of-sequence tokens, cut into whole blocks
+        stream = [t for ids in tokenizer(checked(batch, args.text_column))["input_ids"] for t in ids + [eos]]
+        blocks = [stream[i:i + block_size] for i in range(0, len(stream) // block_size * block_size, block_size)]
+        return {"input_ids": blocks, "labels": blocks, "in_loss": [block_size - 1] * len(blocks),
+                "cut": [False] * len(blocks)}
+    return {"pairs": pairs, "chat": chat, "text": packed}[fmt]
+
+
+def encode_pair(prompt, response, eos, pad_id, block_size):
+    """(input_ids, labels) of a prompt/response pair, block_size long. Labels by position: the prompt and the padding
+    are IGNORE whatever their ids, so a pad token that is also the end-of-sequence token is learned only as the end."""
+    return encode_chat(prompt + response + [eos], [False] * len(prompt) + [True] * (len(response) + 1), pad_id,
+                       block_size)
+
+
+def encode_chat(ids, learned, pad_id, block_size):
+    """(input_ids, labels) of a rendered conversation, block_size long: learned[i] says whether position i is in
+    the loss (an assistant turn's token, or the end of its turn); labels by position, as encode_pair's."""
+    labels = [t if keep else IGNORE for t, keep in zip(ids, learned)][:block_size]
+    pad = block_size - len(labels)
+    return ids[:block_size] + [pad_id] * pad, labels + [IGNORE] * pad
+
+
+def assistant_positions(tokenizer, messages):
+    """(ids, learned) of a conversation in the tokenizer's chat template; learned marks the assistant turns and
+    their end-of-turn tokens. The template's {% generation %} markers say where they are when it has them;
+    otherwise each assistant turn is what it adds to the conversation before it rendered with the generation
+    prompt (character spans, so a token merged across a boundary cannot shift the labels)."""
+    if re.search(r"\{%-?\s*generation\s*-?%\}", tokenizer.get_chat_template()):
+        rendered = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+        return rendered["input_ids"], [bool(m) for m in rendered["assistant_masks"]]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not (through.startswith(before) and text.startswith(through)):  # a template that rewrites history
+            raise DataProblem("the chat template renders a conversation's start differently once it goes on, so "
+                              "its assistant turns cannot be found; add {% generation %} ... {% endgeneration %} "
+                              "around the assistant content and its end-of-turn token in the template")
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return encoded["input_ids"], [any(a <= start < b for a, b in spans) for start, _ in encoded["offset_mapping"]]
+
+
+def is_conversation(value):
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def value_problem(column, value, conversation):
+    """Why a record's `column` value cannot be used (a conversation when `conversation`, else text), or None."""
+    if conversation:
+        if is_conversation(value):
+            return None
+        if isinstance(value, str):
+            return (f"the column {column!r} holds text, not conversations (lists of {{role, content}} turns): "
+                    f"use --format text --text-column {column}, or --format pairs")
+        return f"the column {column!r} holds {value!r:.60}, not a list of {{role, content}} turns with text content"
+    if isinstance(value, str):
+        return None
+    if value and is_conversation(value):
+        return (f"the column {column!r} holds conversations (lists of {{role, content}} turns), not text: use "
+                f"--format chat --messages-column {column}")
+    return f"the column {column!r} holds {value!r:.60}, not text: name a column of strings"
+
+
+def cut_note(cuts, fmt, block_size):
+    """The start line's words on the examples --block-size cut: nothing is cut silently."""
+    if fmt == "text":
+        return ""
+    n, dropped = cuts["cut_examples"], cuts["dropped_examples"]
+    said = (f"{n} of {cuts['tokenised_examples']} examples cut at --block-size {block_size} (their last response's end "
+            f"lost)" if n else f"none of {cuts['tokenised_examples']} examples cut at --block-size {block_size}")
+    return f"; {said}" + (f", {dropped} dropped with nothing to learn left" if dropped else "")

@@ -1,0 +1,58 @@
+"""The flags of the run services, with their help: the ones Run reads from a recipe's parsed namespace.
+
+Owns RUN_FLAGS and add_run_args(): the output directory and the progress lines, the checkpoint and stop flags
+(one group in --help: docs/checkpoints.md), and the reporting flags. Which of them a resumed run may change is
+resume_rules.py's (MAY_CHANGE); what each does is the module's that acts on it.
+"""
+
+import argparse
+
+from .stopping import EXIT_STOPPED
+
+# Every flag Run reads from the recipe's namespace; add_run_args() adds each of them.
+RUN_FLAGS = ("output_dir", "log_every", "checkpoint_dir", "checkpoint_every", "keep_last", "resume",
+             "stop_signals", "stop_check_every", "report_to", "profile")
+
+
+def whole_number(text):
+    """argparse type: a whole number >= 0 (a negative --keep-last would slice the checkpoint list backwards)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 0 or more")
+    return value
+
+
+def add_run_args(parser, name, log_every):
+    """The flags of the run services (RUN_FLAGS): output, progress lines, checkpoints, stopping, reporting.
+    name: the recipe's, for the default output directory; log_every: its default progress cadence."""
+    parser.add_argument("--output-dir", default=None,
+                        help=f"summary.json, metrics.jsonl and the model; default runs/{name}/<how it runs>, e.g. "
+                             f"runs/{name}/ddp-2proc-bf16, so each config keeps its own results")
+    parser.add_argument("--log-every", type=int, default=log_every, help="a progress line every N optimizer steps")
+    group = parser.add_argument_group("checkpoints and stopping (docs/checkpoints.md)")
+    group.add_argument("--checkpoint-dir", default=None,
+                       help="save checkpoints here (must be storage every node sees); off when not given")
+    group.add_argument("--checkpoint-every", type=whole_number, default=0,
+                       help="save every N optimizer steps instead of at each epoch's end (0: at each epoch's end); "
+                            "the last step and a stop by a signal are always saved")
+    group.add_argument("--keep-last", type=whole_number, default=2, help="complete checkpoints to keep (0: keep all)")
+    group.add_argument("--resume", default="auto",
+                       help="auto: newest complete checkpoint in --checkpoint-dir, if any; none: start fresh "
+                            "(refused when --checkpoint-dir already holds checkpoints); or the path of one checkpoint")
+    group.add_argument("--stop-signals", default="USR1,TERM",
+                       help="signals that make every rank finish its step, save a checkpoint and exit "
+                            f"with code {EXIT_STOPPED} (comma-separated; '' to disable)")
+    group.add_argument("--stop-check-every", type=int, default=0, metavar="N",
+                       help="ranks agree on stopping at each progress line (--log-every), where they synchronise "
+                            "anyway, and at each epoch's end; N > 0 adds a check every N optimizer steps (one scalar "
+                            "all-reduce and a host sync each): for steps so slow that a progress window outlasts "
+                            "the grace time before the job is killed")
+    parser.add_argument("--report-to", choices=["none", "png", "tensorboard"], default="none",
+                        help="tensorboard: log the metrics with accelerate's TensorBoard tracker into "
+                             "OUTPUT_DIR/tensorboard and draw OUTPUT_DIR/curves.png; png: only curves.png")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="record a torch.profiler trace of STEPS optimizer steps (after 2 warm-up steps) into "
+                             "OUTPUT_DIR/profile, one file per rank, for Perfetto or TensorBoard")

@@ -1,0 +1,213 @@
+"""A checkpoint resumed on another world size or --grad-accum: its state brought onto this run's ranks.
+
+Owns what resume_rules.py's WORLD_SIZE_CHANGE and PER_RANK rules say is done, each rule in the one function its
+row names:
+  * DeepSpeed ZeRO on another world size: the checkpoint's ZeRO state as DeepSpeed's universal checkpoint,
+    converted once by the main process into the checkpoint's universal/ part, with a manifest of its own, and
+    verified by every rank like any checkpoint file (universal_part); loaded instead of the ZeRO files
+    (loading_universal), with the repair of DeepSpeed 0.19.8's ZeRO-3 universal load (repair_zero3_universal_load);
+  * each rank's own state: the RNG state of a new rank (rng_for_new_rank), FSDP's per-rank buffers
+    (save_rank_buffers, load_rank_buffers), the open log window (reshaped_window), and accelerate's micro-batch
+    counter (set_micro_batch_counter).
+Whatever it reads from a checkpoint it reads under integrity.weights_only_loading: no file runs code.
+"""
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import random
+import stat
+import time
+
+import numpy as np
+import torch
+from accelerate.utils import DistributedType
+from safetensors.torch import load_file, save_file
+
+from .collectives import first_rank_problems, main_process_result
+from .exits import fail
+from .integrity import (
+    DERIVED,
+    DERIVING,
+    UnsafeCheckpointFile,
+    check_share,
+    file_table,
+    fsync,
+    listing,
+    read_manifest,
+    remove_entry,
+    weights_only_loading,
+    write_manifest,
+)
+from .resume_rules import saved_grad_accum
+
+
+# ---- DeepSpeed ZeRO through the universal checkpoint -------------------------------------------------------
+def needs_universal(manifest, now):
+    """Whether the checkpoint's ZeRO state must go through the universal checkpoint: DeepSpeed on another world
+    size (WORLD_SIZE_CHANGE)."""
+    saved = manifest["layout"]
+    return saved["family"] == "deepspeed" and saved["world_size"] != now["world_size"]
+
+
+def universal_part(accelerator, path, manifest):
+    """Collective: the checkpoint's ZeRO state as DeepSpeed's universal checkpoint, which loads on any world
+    size: PATH/universal, converted once (by the main process, weights-only) and kept as a derived part with
+    its own manifest and checksums; every rank verifies its share of it like any checkpoint file."""
+    derived = os.path.join(path, DERIVED)
+    source = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+    error = None
+    if accelerator.is_main_process:
+        try:
+            if not os.path.lexists(derived):
+                _convert(path, manifest, source)
+        except (OSError, RuntimeError, AssertionError, ValueError, UnsafeCheckpointFile) as exc:
+            error = (f"checkpoint {path} cannot be used on {accelerator.num_processes} processes: converting its "
+                     f"ZeRO state to DeepSpeed's universal checkpoint failed ({type(exc).__name__}: "
+                     f"{(str(exc).splitlines() or [''])[0][:300]}). Relaunch with "
+                     f"{manifest['layout']['world_size']} processes.")
+    main_process_result(accelerator, (None, error))
+    damage, unsafe = first_rank_problems(accelerator, *_derived_share_problems(accelerator, derived, source))
+    if damage or unsafe:
+        fail(accelerator, f"checkpoint {path} cannot be used on {accelerator.num_processes} processes: its "
+                          f"converted part {derived}: {damage or unsafe}. Remove {derived} to have it converted "
+                          f"again, or relaunch with {manifest['layout']['world_size']} processes.")
+    return derived
+
+
+def _derived_share_problems(accelerator, derived, source):
+    """(damage, unsafe) of this rank's share of the converted part, which must be a directory this code wrote
+    from this checkpoint's files."""
+    try:
+        if not stat.S_ISDIR(os.lstat(derived).st_mode):
+            raise ValueError("a symbolic link or a file, not a directory this code writes")
+        derived_manifest = read_manifest(derived)
+        if derived_manifest.get("derived_from") != source:
+            raise ValueError("it was converted from other files than this checkpoint's")
+        return check_share(derived, derived_manifest["files"], accelerator.process_index, accelerator.num_processes)
+    except (OSError, ValueError) as exc:
+        return str(exc), None
+
+
+def _convert(path, manifest, source):
+    """Main process: DeepSpeed's ds_to_universal, into .tmp-universal, then published by one rename."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    tmp, started = os.path.join(path, DERIVING), time.perf_counter()
+    remove_entry(tmp)  # a conversion a kill interrupted
+    os.mkdir(tmp, 0o700)
+    # Accelerate's DeepSpeed checkpoints lack the universal_checkpoint_info a Megatron client writes; for a
+    # plain data-parallel model its defaults (no tensor-parallel patterns) are right: inject_missing_state.
+    args = argparse.Namespace(input_folder=os.path.join(path, "pytorch_model"),
+                              output_folder=os.path.join(tmp, "pytorch_model"), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with weights_only_loading():  # ds_to_universal's own torch.load calls ask for weights_only=False
+        ds_to_universal.main(args)
+    files = file_table(tmp, listing(tmp))
+    derived = {"step": manifest["step"], "layout": manifest["layout"], "must_match": manifest["must_match"],
+               "train_state": {}, "derived_from": source, "files": files}
+    write_manifest(tmp, derived)
+    os.replace(tmp, os.path.join(path, DERIVED))
+    fsync(path)
+    print(f"converted {path}'s ZeRO state to DeepSpeed's universal checkpoint in {os.path.join(path, DERIVED)} "
+          f"({len(files)} files, {time.perf_counter() - started:.1f} s): later resumes on another world size "
+          f"reuse it", flush=True)
+
+
+@contextlib.contextmanager
+def loading_universal(ds_engine, root):
+    """While active (root given), accelerate's load_state reads the DeepSpeed engine's state from the universal
+    checkpoint under root instead of the checkpoint's own ZeRO files; the rest (scheduler, RNG) as usual."""
+    if root is None:
+        yield
+        return
+    own = ds_engine.load_checkpoint
+
+    def load_checkpoint(load_dir, tag=None, **kwargs):
+        loaded = own(root, tag, **kwargs)
+        if ds_engine.zero_optimization_stage() == 3 and kwargs.get("load_optimizer_states", True):
+            saved = os.path.join(root, tag, "zero", "optimizer_state.pt")
+            repair_zero3_universal_load(ds_engine.optimizer.optimizer, saved)
+        return loaded
+
+    ds_engine._config.load_universal_checkpoint = True
+    ds_engine.load_checkpoint = load_checkpoint
+    try:
+        yield
+    finally:
+        del ds_engine.load_checkpoint
+        ds_engine._config.load_universal_checkpoint = False
+
+
+def repair_zero3_universal_load(optimizer, path):
+    """Two faults of ZeRO-3's universal load (DeepSpeed 0.19.8, stage3.load_hp_checkpoint_state_from_checkpoint_
+    dir_stage3) that made the training drift (0.2% in the loss 8 steps after a 2 -> 1 resume, the step most of
+    it): it gives every parameter group's state one and the same `step` tensor, which ZeRO-3's step of each
+    group then increments in place, so Adam's bias correction runs ahead; and it gives every group the first
+    group's settings, so the gpt recipe's group without weight decay decays. Each group takes its own step
+    tensor and its own settings back from the converted optimizer_state.pt (under weights_only_loading: the
+    file runs no code)."""
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    saved = torch.load(path)["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"{path} holds {len(saved)} parameter groups and the optimizer {len(optimizer.param_groups)}")
+    for group, settings in zip(optimizer.param_groups, saved):
+        group.update({key: value for key, value in settings.items() if key != "params"})
+
+
+# ---- each rank's own state (PER_RANK) ----------------------------------------------------------------------
+def rng_for_new_rank(accelerator, path, manifest):
+    """After load_state, which gave a rank the checkpoint has its own RNG state: a new rank (the checkpoint was
+    written by fewer processes) takes rank 0's, as load_state sets its own. Call under weights_only_loading."""
+    if accelerator.process_index < manifest["layout"]["world_size"]:
+        return
+    states = torch.load(os.path.join(path, "random_states_0.pkl"))
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"][:torch.cuda.device_count()])
+
+
+# FSDP's sharded checkpoint keeps one copy of a buffer, but BatchNorm statistics differ per rank: keep each.
+def save_rank_buffers(accelerator, model, root):
+    """FSDP: this rank's buffers into root/rank-R.buffers.safetensors."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        buffers = {name: b.detach().cpu().contiguous() for name, b in model.named_buffers()}
+        save_file(buffers, os.path.join(root, f"rank-{accelerator.process_index}.buffers.safetensors"))
+
+
+def load_rank_buffers(accelerator, model, root):
+    """FSDP: this rank's buffers; a rank the checkpoint does not have (written by fewer processes) takes rank 0's."""
+    path = os.path.join(root, f"rank-{accelerator.process_index}.buffers.safetensors")
+    if not os.path.exists(path):
+        path = os.path.join(root, "rank-0.buffers.safetensors")
+    if accelerator.distributed_type == DistributedType.FSDP and os.path.exists(path):
+        saved = load_file(path)
+        for name, b in ((n, b) for n, b in model.named_buffers() if n in saved):
+            b.copy_(saved[name].to(b.device))
+
+
+def reshaped_window(window, manifest, now):
+    """The checkpoint's open log window as this run's ranks carry it: unchanged when the world size and
+    --grad-accum are; otherwise the mean loss over the old ranks on every new rank, its micro-batch count
+    converted to the new --grad-accum (a window starts at an optimizer step, so its count is a whole number of
+    optimizer steps). Every rank then has an entry of its own."""
+    old_accum = saved_grad_accum(manifest, now)
+    sums, micro = window["loss_sums"], window["micro"]
+    if len(sums) == now["world_size"] and old_accum == now["grad_accum"]:
+        return window
+    new_micro = micro // old_accum * now["grad_accum"]
+    mean = sum(sums) / len(sums) / micro if micro else 0.0
+    return {**window, "loss_sums": [mean * new_micro] * now["world_size"], "micro": new_micro}
+
+
+def set_micro_batch_counter(accelerator, step):
+    """After load_state, which restored accelerate's micro-batch counter: its remainder modulo the accumulation
+    steps decides which micro-batch syncs, so after a change of --grad-accum it must fall on an optimizer step
+    again: the checkpoint's step x this run's accumulation steps."""
+    accelerator.step = step * accelerator.gradient_accumulation_steps

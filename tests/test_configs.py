@@ -1,0 +1,81 @@
+"""The shipped accelerate configs: they parse with accelerate's own loader, every key is commented, each way of
+running the README promises has one, none overrides the GPUs Slurm assigned, and a broken one is rejected before
+any process starts. Quick, but for the one launch (slow)."""
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+
+from launching import CONFIG_DIR, CONFIG_FILES, REPO, load_yaml
+
+
+def test_the_promised_configs_exist():
+    assert set(CONFIG_FILES) >= {"cpu.yaml", "1gpu.yaml", "2gpu.yaml", "multinode.yaml", "deepspeed_zero1.yaml",
+                                "deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "deepspeed_zero3_offload.yaml",
+                                "fsdp.yaml", "1gpu_compile.yaml", "2gpu_compile.yaml"}
+
+
+@pytest.mark.parametrize("config", CONFIG_FILES)
+def test_config_parses_with_accelerates_loader(config):
+    cfg = load_config_from_file(str(CONFIG_DIR / config))
+    assert cfg.compute_environment.value == "LOCAL_MACHINE"
+    raw = load_yaml(config)
+    ds = raw.get("deepspeed_config") or {}
+    # An optimizer/scheduler block forces DummyOptim; 'auto' sizes need a hidden_size a CNN lacks.
+    assert not {"optimizer", "scheduler"} & set(ds), "DeepSpeed optimizer block breaks the recipe contract"
+    assert "auto" not in map(str, ds.values())
+    if raw["distributed_type"] == "FSDP":
+        assert raw["fsdp_config"]["fsdp_version"] == 2
+    if raw["distributed_type"] == "DEEPSPEED":
+        # Every DeepSpeed setting in one JSON next to the YAML (accelerate refuses a mix of the two).
+        assert set(ds) <= {"deepspeed_config_file", "zero3_init_flag"} and "mixed_precision" not in raw
+        js = json.loads((REPO / ds["deepspeed_config_file"]).read_text())
+        assert not {"optimizer", "scheduler"} & set(js), "DeepSpeed optimizer block breaks the recipe contract"
+        # 'auto' only where accelerate fills it from the recipe (batch, accumulation, clipping), never from
+        # a transformer's hidden_size, which a CNN lacks.
+        assert {k for k, v in js.items() if v == "auto"} <= {"train_batch_size", "train_micro_batch_size_per_gpu",
+                                                           "gradient_accumulation_steps", "gradient_clipping"}
+        assert "auto" not in map(str, js["zero_optimization"].values())
+        zero = js["zero_optimization"]
+        assert zero["stage"] == int(re.search(r"zero(\d)", config).group(1))
+        assert js["communication_data_type"] == "fp32" and zero["overlap_comm"] is True
+        if zero["stage"] == 3:
+            assert zero["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+@pytest.mark.parametrize("config", CONFIG_FILES)
+def test_every_key_has_a_comment(config):
+    for line in (CONFIG_DIR / config).read_text().splitlines():
+        if re.match(r"^\s*[A-Za-z_0-9]+:", line):
+            assert "#" in line, f"{config}: key without a comment: {line!r}"
+
+
+def test_no_config_overrides_the_gpus_slurm_assigned(tmp_path):
+    """CUDA_VISIBLE_DEVICES (set by Slurm, or by the user) reaches the worker unchanged: no shipped config
+    names its own GPU ids (1gpu.yaml once said '0' and took GPU 0 whatever Slurm had assigned)."""
+    assert all(load_yaml(c).get("gpu_ids", "all") == "all" for c in CONFIG_FILES)
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os\nprint('visible=' + os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>'))\n")
+    result = subprocess.run(["accelerate", "launch", "--config_file", str(CONFIG_DIR / "1gpu.yaml"), str(probe)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "visible=1" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content, message", [
+    ("distributed_type: MULTI_GPU\nnum_processes: [2\n", "while parsing"),
+    ("distributed_type: MULTI_GPU\nnum_procesess: 2\n", "unknown keys (['num_procesess'])"),
+])
+def test_bad_yaml_is_rejected_before_any_process_starts(launch, tmp_path, content, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("compute_environment: LOCAL_MACHINE\n" + content)
+    run = launch(str(bad), "--epochs", "1", check=False)
+    assert run.returncode != 0
+    assert message in run.output and "bad.yaml" in run.output
+    assert "DATA:" not in run.output  # the recipe never started
