@@ -138,10 +138,18 @@ def autocast(args, device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if args.mixed_precision == "bf16" else torch.float16)
 
 
+def chosen_device(name):
+    """The device of --device, with an index for a GPU: torch.device("cuda") names none, and torch.cuda.set_device
+    refuses it. "cuda" is the current GPU (the first that CUDA_VISIBLE_DEVICES shows, unless one was set)."""
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
-    device = torch.device(args.device)
+    device = chosen_device(args.device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)

@@ -39,6 +39,33 @@ def test_baseline_trains_the_recipes_model():
     torch.testing.assert_close(theirs.state_dict(), ours.state_dict())
 
 
+
+@pytest.mark.parametrize("flag", ["cuda", "auto"])
+def test_lean_loop_trains_on_the_current_gpu_by_index(monkeypatch, tmp_path, flag):
+    """--device cuda (what the benchmark passes on a GPU machine, and what auto picks there) is torch.device("cuda"),
+    which names no GPU; torch.cuda.set_device refuses such a device (ValueError). The lean loop trains on the current
+    GPU by its index. Checked with torch's own set_device down to the driver call, which is recorded instead: this
+    machine has no GPU. The model is never built: the test stops where the device has been chosen."""
+    import torch
+    sys.path.insert(0, str(REPO / "bench"))
+    import lean_loop
+
+    class Built(Exception):
+        pass
+
+    def build(args, device):
+        raise Built(device)
+
+    selected = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # not 0: the index is the current GPU's
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", selected.append)
+    monkeypatch.setattr(lean_loop, "build", build)
+    with pytest.raises(Built) as built:
+        lean_loop.main(["--recipe", "gpt", "--preset", "tiny", "--device", flag, "--output-dir", str(tmp_path)])
+    assert built.value.args[0] == torch.device("cuda", 1) and selected == [1]
+    assert lean_loop.chosen_device("cpu") == torch.device("cpu")
+
 @pytest.mark.slow
 def test_benchmark_smoke_writes_the_report(tmp_path):
     """Tiny sizes; what is checked is the report, never a timing. The config list has no 1-process run, so the
