@@ -2,8 +2,10 @@
 a report whose every figure is the runs' own (tiny sizes; no timing is asserted)."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -225,25 +227,41 @@ def test_gpu_table_refuses_a_machine_without_gpu(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_gpu_table_plans_every_comparison(tmp_path, monkeypatch):
-    """Each part of the GPU table is one benchmark run whose arguments the benchmark accepts; the two variants
-    differ from their shipped config in the one key they name, and nothing else."""
-    import yaml
+def gpu_table_modules():
     sys.path.insert(0, str(REPO / "bench"))
     import benchmark
-    runs = dict(benchmark.gpu_table_runs(tmp_path, 756.0, tmp_path / "images"))
-    assert list(runs) == ["mnist", "gpt", "resnet", "zero2-overlap", "fsdp-units"]
+    import gpu_table
+    return benchmark, gpu_table
+
+
+INPUTS = {"images": "/in/images", "llama": "/in/llama", "chats": "/in/chats.jsonl"}
+TABLE = ["mnist", "gpt", "resnet", "finetune-full", "finetune-lora", "finetune-padded", "zero2-overlap", "fsdp-units"]
+
+
+def test_gpu_table_plans_every_comparison(tmp_path):
+    """Each part of the GPU table is one benchmark run whose arguments the benchmark accepts, its inputs filled in;
+    the two variants differ from their shipped config in the one key they name, and with one GPU they are left out
+    (one process has nothing to overlap or shard)."""
+    import yaml
+    benchmark, gpu_table = gpu_table_modules()
     configs = {}
-    for folder, cmd in runs.items():
-        monkeypatch.setattr(sys, "argv", cmd[1:])
-        args = benchmark.parse_args()  # exits on an unknown config, variant or flag
-        assert args.mixed_precision == "bf16" and Path(args.out) == tmp_path / folder
-        configs[folder] = args.configs
-        if args.recipe == "gpt":
-            assert "--peak-tflops 756" in args.recipe_args
-    assert configs["mnist"] == configs["gpt"] == configs["resnet"] == ["1gpu.yaml", "1gpu_compile.yaml"]
-    assert configs["zero2-overlap"] == ["deepspeed_zero2.yaml", "deepspeed_zero2.yaml+no-overlap"]
-    assert configs["fsdp-units"] == ["fsdp.yaml", "fsdp.yaml+one-unit"]
+    for gpus in (2, 1):
+        runs = dict(gpu_table.part_commands(tmp_path, 756.0, INPUTS, gpus))
+        assert list(runs) == TABLE
+        for folder, cmd in runs.items():
+            args = benchmark.parse_args(cmd[2:])  # exits on an unknown config, variant or flag
+            assert args.mixed_precision == "bf16" and Path(args.out) == tmp_path / folder
+            assert "{" not in args.recipe_args, args.recipe_args  # every input filled in
+            configs[gpus, folder] = args.configs
+            assert ("--peak-tflops 756" in args.recipe_args) == (args.recipe in ("gpt", "finetune_lm")), folder
+    for gpus in (1, 2):
+        assert configs[gpus, "mnist"] == configs[gpus, "gpt"] == configs[gpus, "resnet"] == ["1gpu.yaml",
+                                                                                              "1gpu_compile.yaml"]
+        assert configs[gpus, "finetune-full"] == configs[gpus, "finetune-lora"] == ["1gpu.yaml", "1gpu_compile.yaml"]
+        assert configs[gpus, "finetune-padded"] == ["1gpu.yaml"]
+    assert configs[2, "zero2-overlap"] == ["deepspeed_zero2.yaml", "deepspeed_zero2.yaml+no-overlap"]
+    assert configs[2, "fsdp-units"] == ["fsdp.yaml", "fsdp.yaml+one-unit"]
+    assert (configs[1, "zero2-overlap"], configs[1, "fsdp-units"]) == (["deepspeed_zero2.yaml"], ["fsdp.yaml"])
     # ZeRO-2 without overlap: the JSON copy differs in overlap_comm (and the dtype the benchmark always sets)
     launch_args, _ = benchmark.config_launch("deepspeed_zero2.yaml+no-overlap", 2, True, "bf16", tmp_path)
     shipped = json.loads((REPO / "accelerate_configs" / "deepspeed_zero2.json").read_text())
@@ -257,5 +275,173 @@ def test_gpu_table_plans_every_comparison(tmp_path, monkeypatch):
     shipped = yaml.safe_load((REPO / "accelerate_configs" / "fsdp.yaml").read_text())
     assert copy["fsdp_config"].pop("fsdp_auto_wrap_policy") == "NO_WRAP"
     assert shipped["fsdp_config"].pop("fsdp_auto_wrap_policy") == "TRANSFORMER_BASED_WRAP" and copy == shipped
-    assert benchmark.peak_tflops_for("NVIDIA H100 PCIe") == 756 and benchmark.peak_tflops_for("NVIDIA H100 80GB HBM3") \
+    assert gpu_table.peak_tflops_for("NVIDIA H100 PCIe") == 756 and gpu_table.peak_tflops_for("NVIDIA H100 80GB HBM3") \
         == 989
+    assert [p.folder for p in gpu_table.selected(["fsdp-units", "gpt"])] == ["gpt", "fsdp-units"]  # PARTS' order
+    with pytest.raises(ValueError, match="no such part: nope"):
+        gpu_table.selected(["nope"])
+
+
+def test_gpu_table_runs_are_accepted_by_their_scripts(tmp_path, monkeypatch):
+    """Every run of every part, as the benchmark will launch it on a GPU, parses with its script's own parser (the
+    recipe's, or bench/lean_loop.py's): a misspelt or missing flag fails here rather than on the GPU. The fine-tune
+    parts pass --packing or --no-packing, recipes/finetune_lm.py's flag of issue "Fine-tune at H100 speed"."""
+    import importlib
+
+    import torch
+    benchmark, gpu_table = gpu_table_modules()
+    sys.path.insert(0, str(REPO / "recipes"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # parsed as on the GPU (lean loop: --device cuda)
+    scripts = set()
+    for folder, cmd in gpu_table.part_commands(tmp_path, 756.0, INPUTS, 2):
+        args = benchmark.parse_args(cmd[2:])
+        benchmark.add_single_process_run(args, True)
+        for name, _, run_cmd, _ in benchmark.plan_runs(args, 2, True, tmp_path / "synthetic-20000-2000"):
+            script = next(arg for arg in run_cmd if arg.endswith(".py"))
+            argv = run_cmd[run_cmd.index(script) + 1:] + ["--output-dir", str(tmp_path / "run")]
+            try:
+                importlib.import_module(Path(script).stem).parse_args(argv)
+            except SystemExit:
+                pytest.fail(f"{folder}: {name}: {Path(script).name} refuses {' '.join(argv)}")
+            scripts.add(Path(script).name)
+    assert scripts == {"mnist.py", "gpt.py", "resnet.py", "finetune_lm.py", "lean_loop.py"}
+
+
+def test_gpu_table_warms_each_compiled_run_with_its_own_command(tmp_path, monkeypatch):
+    """The warm-up runs every compiled run of the table (and no other) with the command its part will measure it
+    with, for fewer steps: the same model, batch, precision and config, so the same graphs in inductor's caches."""
+    benchmark, gpu_table = gpu_table_modules()
+    data_root = tmp_path / "synthetic-20000-2000"
+    monkeypatch.setattr(benchmark, "mnist_data_root", lambda args: data_root)  # nothing written in the repository
+    commands = gpu_table.part_commands(tmp_path, 756.0, INPUTS, 1)
+    warms = gpu_table.warm_plan(commands, gpu_table.PARTS, tmp_path, threads=16)
+    compiled = ["1gpu_compile.yaml", "lean loop (compiled)"]
+    assert [(w.part, w.name) for w in warms] == [("mnist", c) for c in compiled] + [("gpt", c) for c in compiled] + [
+        ("resnet", compiled[0]), ("finetune-full", compiled[0]), ("finetune-lora", compiled[0])]
+    steps = {"--max-steps", "--eval-every", "--epochs", "--steps", "--warmup-steps", "--main_process_port"}
+
+    def without_steps(cmd):  # the flags that count steps (and the launch's free port) taken out with their values
+        return [arg for i, arg in enumerate(cmd) if arg not in steps and (i == 0 or cmd[i - 1] not in steps)]
+    for warm in warms:
+        args = benchmark.parse_args(dict(commands)[warm.part][2:])
+        measured = {name: cmd for name, _, cmd, _ in benchmark.plan_runs(args, 1, True, data_root)}[warm.name]
+        assert warm.cmd[-2] == "--output-dir" and Path(warm.cmd[-1]).parent == tmp_path / "warm"
+        assert without_steps(warm.cmd[:-2]) == without_steps(measured), warm.name
+        count = {flag: int(warm.cmd[warm.cmd.index(flag) + 1]) for flag in steps - {"--main_process_port"}
+                 if flag in warm.cmd}
+        assert count.get("--max-steps", count.get("--warmup-steps", 0) + count.get("--steps", 0)) == \
+            gpu_table.WARM_STEPS, (warm.name, count)
+        assert warm.env["OMP_NUM_THREADS"] == "16"
+        assert warm.gb == next(p.warm_gb for p in gpu_table.PARTS if p.folder == warm.part) > 0
+
+
+# A warm-up stand-in that takes a lock file for a moment: it fails if another holds it (two ran at once).
+HOLD_LOCK = ("import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); time.sleep(0.3); "
+             "os.close(fd); os.unlink(sys.argv[1])")
+
+
+def test_gpu_table_warm_up_keeps_within_the_memory_cap(tmp_path):
+    """Warm-ups whose memory estimates do not fit together never run together; all of them run, and each one's
+    end is reported (a failure is reported, not raised)."""
+    _, gpu_table = gpu_table_modules()
+    lock = str(tmp_path / "gpu")
+    warms = [gpu_table.Warm("p", f"run {i}", [sys.executable, "-c", HOLD_LOCK, lock, str(tmp_path / f"w{i}")], {}, 30)
+             for i in range(3)]
+    warms.append(gpu_table.Warm("p", "broken", [sys.executable, "-c", "raise SystemExit(3)", str(tmp_path / "b")],
+                                {}, 1))
+    ended = gpu_table.warm_up(warms, cap_gb=50, limit_s=120, log_dir=tmp_path / "logs")
+    assert ended == {"p: run 0": "warmed", "p: run 1": "warmed", "p: run 2": "warmed", "p: broken": "failed (3)"}
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["b.log", "w0.log", "w1.log", "w2.log"]
+
+
+def test_gpu_table_part_stopped_at_the_budget(tmp_path):
+    """A part still running when the table's budget is spent is stopped, its whole process group with it; a part
+    whose turn comes after that is not started."""
+    _, gpu_table = gpu_table_modules()
+    child = tmp_path / "child.pid"
+    part = [sys.executable, "-c", "import subprocess, sys, time; "
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+            f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(600)"]
+    assert gpu_table.run_part(part, seconds_left=0) == "not run: the table's budget was spent"
+    assert gpu_table.run_part(part, seconds_left=3).startswith("stopped at the table's budget")
+    pid = int(child.read_text())
+
+    def gone():  # exited (a zombie until its new parent reaps it) or reaped
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+    deadline = time.monotonic() + 30  # the signal is delivered at once; this only waits for the exit to finish
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(), f"the part's child {pid} outlived the stop"
+
+
+def test_benchmark_stopped_by_sigterm_reports_the_runs_done(tmp_path):
+    """SIGTERM (the GPU table's budget) ends the benchmark's plan after the run it interrupted: that run is reported
+    as it ended, the others as not run, so the report of what was measured is still written."""
+    benchmark, _ = gpu_table_modules()
+    (tmp_path / "logs").mkdir()
+    stop_me = [sys.executable, "-c", "import os, signal; os.kill(os.getppid(), signal.SIGTERM)"]
+    results = benchmark.measure_all([("first", 0, stop_me, {}), ("second", 0, stop_me, {})], tmp_path, 1)
+    assert [r["name"] for r in results] == ["first", "second"]
+    assert results[0]["exit_code"] == 0 and "failed" in results[0]  # it wrote no summary.json
+    assert results[1]["failed"] == "not run: the benchmark was stopped (SIGTERM)"
+    assert signal.getsignal(signal.SIGTERM) is not None  # the handler it replaced is back
+
+
+def test_gpu_table_readme_compares_the_fine_tunes(tmp_path):
+    """README.md's fine-tune comparisons are the ratios of the rows they name, with the goals of issue "Fine-tune at
+    H100 speed"; each part's time and a part that did not finish are listed."""
+    _, gpu_table = gpu_table_modules()
+
+    def row(name, rate, mfu, padding):
+        return {"name": name, "processes": 1, "unit": "tokens_per_s", "throughput": rate, "mfu": mfu,
+                "step_ms": 8192e3 / rate, "peak_memory_mb_per_rank": [30000.0], "padding_share": padding}
+
+    def report(*rows):
+        return {"table": list(rows), "ratios": {}, "hardware": {"label": "1 x H100", "host": "h", "torch": "2.11"}}
+    eager, compiled = "1gpu.yaml", "1gpu_compile.yaml"
+    reports = {"finetune-full": report(row(eager, 50000, 0.30, 0.01), row(compiled, 80000, 0.52, 0.01)),
+               "finetune-lora": report(row(eager, 80000, 0.25, 0.01), row(compiled, 120000, 0.4, 0.01)),
+               "finetune-padded": report(row(eager, 20000, 0.12, 0.72))}
+    progress = {"statuses": {"finetune-full": "done", "finetune-lora": "done", "finetune-padded": "done",
+                             "zero2-overlap": "not run: the table's budget was spent"},
+                "timings": {"inputs": 12.0, "warm-up": 95.0, "finetune-full": 70.4}, "gpus": 1,
+                "facts": {"chats": {"conversations": 2000, "median_tokens": 199, "mean_tokens": 289.3, "longest": 2009,
+                                    "over_1024": 0.015}},
+                "warm": {f"finetune-full: {compiled}": "warmed", f"finetune-lora: {compiled}": "failed (1)"}}
+    text = gpu_table.markdown(reports, "NVIDIA H100", "2026-11-25", 989.0, progress)
+    assert "| finetune-padded | 1gpu.yaml | 1 | 20000 tokens/s | 12.0% | 409.6 | 30000 | 72% | - |" in text
+    assert "LoRA / full (real tokens/s): eager 1.600, compiled 1.500 (goal >= 1.5 both)" in text
+    assert "packed / padded (real tokens/s, full fine-tune, eager): 2.500 (goal >= 2)" in text
+    assert "compiled full fine-tune MFU: 52.0% (goal >= 50%)" in text
+    assert "compile speed-up (1gpu_compile.yaml / 1gpu.yaml): full 1.600, LoRA 1.500" in text
+    assert "2000 conversations, median 199 tokens, mean 289, longest 2009, 1.5% longer than the block" in text
+    assert "Time (s): inputs 12, warm-up 95, finetune-full 70." in text
+    assert "Compile warm-up: 1 of 2 compiled runs warmed the caches; finetune-lora: 1gpu_compile.yaml: failed (1)." \
+        in text
+    assert "- zero2-overlap: not run: the table's budget was spent" in text
+
+
+def test_gpu_table_writes_a_llama_and_uneven_chats(tmp_path):
+    """The fine-tune inputs (here a tiny shape on the CPU; the table's is LLAMA_1B on the GPU): a Llama that
+    from_pretrained loads with the asked shape, the tests' tokenizer with its chat template, and chats whose
+    lengths spread (most short, a few over the block)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    _, gpu_table = gpu_table_modules()
+    assert gpu_table.LLAMA_1B | {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+                                 "num_key_value_heads": 8} == gpu_table.LLAMA_1B
+    shape = {**gpu_table.LLAMA_1B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    paths, facts = gpu_table.write_finetune_inputs(tmp_path, shape=shape, device="cpu")
+    model = AutoModelForCausalLM.from_pretrained(paths["llama"])
+    assert model.dtype == torch.bfloat16 and model.config.num_key_value_heads == 2 and model.config.hidden_size == 64
+    tokenizer = AutoTokenizer.from_pretrained(paths["llama"])
+    assert "{% generation %}" in tokenizer.get_chat_template() and len(tokenizer) == model.config.vocab_size
+    chats = [json.loads(line) for line in paths["chats"].read_text().splitlines()]
+    assert len(chats) == facts["conversations"] == gpu_table.CHATS
+    assert all(m["role"] in ("system", "user", "assistant") for c in chats for m in c["messages"])
+    assert 100 < facts["median_tokens"] < facts["mean_tokens"] < 1024 < facts["longest"]  # a long tail
+    assert 0 < facts["over_1024"] < 0.05
