@@ -256,6 +256,10 @@ def write_finetune_inputs(root, shape=LLAMA_1B, device="cuda"):
             model = LlamaForCausalLM(config)
         model.to(torch.bfloat16).save_pretrained(llama)
         del model
+        if device == "cuda":  # give the GPU back to the runs: this process stays up for the whole table
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
     conversations = chat_conversations()
     chats.write_text("".join(json.dumps(c) + "\n" for c in conversations))
     lengths = sorted(len(tokenizer.apply_chat_template(c["messages"], return_dict=True)["input_ids"])
