@@ -235,7 +235,7 @@ def gpu_table_modules():
 
 
 INPUTS = {"images": "/in/images", "llama": "/in/llama", "chats": "/in/chats.jsonl"}
-TABLE = ["mnist", "gpt", "resnet", "finetune-full", "finetune-lora", "finetune-padded", "zero2-overlap", "fsdp-units"]
+TABLE = ["mnist", "gpt", "finetune-full", "finetune-lora", "finetune-padded", "resnet", "zero2-overlap", "fsdp-units"]
 
 
 def test_gpu_table_plans_every_comparison(tmp_path):
@@ -317,7 +317,7 @@ def test_gpu_table_warms_each_compiled_run_with_its_own_command(tmp_path, monkey
     warms = gpu_table.warm_plan(commands, gpu_table.PARTS, tmp_path, threads=16)
     compiled = ["1gpu_compile.yaml", "lean loop (compiled)"]
     assert [(w.part, w.name) for w in warms] == [("mnist", c) for c in compiled] + [("gpt", c) for c in compiled] + [
-        ("resnet", compiled[0]), ("finetune-full", compiled[0]), ("finetune-lora", compiled[0])]
+        ("finetune-full", compiled[0]), ("finetune-lora", compiled[0]), ("resnet", compiled[0])]
     steps = {"--max-steps", "--eval-every", "--epochs", "--steps", "--warmup-steps", "--main_process_port"}
 
     def without_steps(cmd):  # the flags that count steps (and the launch's free port) taken out with their values
