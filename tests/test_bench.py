@@ -2,6 +2,7 @@
 a report whose every figure is the runs' own (tiny sizes; no timing is asserted)."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -445,3 +446,44 @@ def test_gpu_table_writes_a_llama_and_uneven_chats(tmp_path):
     assert all(m["role"] in ("system", "user", "assistant") for c in chats for m in c["messages"])
     assert 100 < facts["median_tokens"] < facts["mean_tokens"] < 1024 < facts["longest"]  # a long tail
     assert 0 < facts["over_1024"] < 0.05
+
+
+def test_gpu_table_runs_its_parts_in_turn_within_the_budget(tmp_path, monkeypatch, capsys):
+    """gpu_table() on a pretend GPU, its parts stood in for by small scripts: the parts run in turn, README.md says
+    how each ended and holds the rows of those that reported; a part still running at the budget is stopped and the
+    ones after it are not run; the exit code says the table is incomplete."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+    _, gpu_table = gpu_table_modules()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(gpu_table, "write_inputs", lambda out, parts: ({}, {}))
+    warmed = []
+    monkeypatch.setattr(gpu_table, "warm_phase",
+                        lambda commands, parts, out, gpus, left: warmed.append([f for f, _ in commands]) or {})
+    row = {"name": "1gpu.yaml", "processes": 1, "unit": "tokens_per_s", "throughput": 500000.0, "mfu": 0.4,
+           "step_ms": 65.5, "peak_memory_mb_per_rank": [9000.0]}
+    report = {"table": [row], "ratios": {}, "hardware": {"label": "1 x NVIDIA H100", "host": "h", "torch": "2.11"}}
+    stand_ins = {"gpt": f"import json, pathlib, sys; p = pathlib.Path(sys.argv[1]); p.mkdir(parents=True); "
+                        f"(p / 'results.json').write_text(json.dumps({report!r}))",
+                 "mnist": "raise SystemExit(1)", "resnet": "import time; time.sleep(600)", "fsdp-units": "pass"}
+
+    def part_commands(out, peak, inputs, gpus, parts):
+        return [(p.folder, [sys.executable, "-c", stand_ins[p.folder], str(out / p.folder)]) for p in parts]
+    monkeypatch.setattr(gpu_table, "part_commands", part_commands)
+    args = argparse.Namespace(out=str(tmp_path), parts=["gpt", "mnist", "resnet", "fsdp-units"], peak_tflops=0.0,
+                              budget_s=10.0, no_warm=False)  # resnet waits for it: a few seconds
+    assert gpu_table.gpu_table(args) == 1
+    [table] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert table.name.endswith("-nvidia-h100-80gb-hbm3") and warmed == [["mnist", "gpt", "resnet", "fsdp-units"]]
+    readme = (table / "README.md").read_text()
+    assert "| gpt | 1gpu.yaml | 1 | 500000 tokens/s | 40.0% | 65.5 | 9000 | - | - |" in readme
+    assert "MFU against 989 TFLOPS" in readme
+    assert "- mnist: failed (exit 1)" in readme and "- resnet: stopped at the table's budget" in readme
+    assert "- fsdp-units: not run: the table's budget was spent" in readme
+    assert re.search(r"Time \(s\): inputs \d+, warm-up \d+, mnist \d+, gpt \d+, resnet [45]", readme), readme
+    assert "gpu table: resnet: stopped at the table's budget" in capsys.readouterr().out
