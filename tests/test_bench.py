@@ -485,5 +485,5 @@ def test_gpu_table_runs_its_parts_in_turn_within_the_budget(tmp_path, monkeypatc
     assert "MFU against 989 TFLOPS" in readme
     assert "- mnist: failed (exit 1)" in readme and "- resnet: stopped at the table's budget" in readme
     assert "- fsdp-units: not run: the table's budget was spent" in readme
-    assert re.search(r"Time \(s\): inputs \d+, warm-up \d+, mnist \d+, gpt \d+, resnet [45]", readme), readme
+    assert re.search(r"Time \(s\): inputs \d+, warm-up \d+, mnist \d+, gpt \d+, resnet \d+\.", readme), readme
     assert "gpu table: resnet: stopped at the table's budget" in capsys.readouterr().out
