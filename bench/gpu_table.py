@@ -430,9 +430,10 @@ def gpu_table(args):
     for folder, cmd in commands:
         print(f"gpu table: {folder}: {' '.join(cmd[1:])}", flush=True)
         begun = time.monotonic()
-        progress["statuses"][folder] = run_part(cmd, args.budget_s - (begun - started))
-        progress["timings"][folder] = time.monotonic() - begun
-        print(f"gpu table: {folder}: {progress['statuses'][folder]} in {progress['timings'][folder]:.0f} s "
+        status = progress["statuses"][folder] = run_part(cmd, args.budget_s - (begun - started))
+        if not status.startswith("not run"):
+            progress["timings"][folder] = time.monotonic() - begun
+        print(f"gpu table: {folder}: {status} in {time.monotonic() - begun:.0f} s "
               f"({time.monotonic() - started:.0f} s since the table started)", flush=True)
         (out / "README.md").write_text(markdown(reports_in(out, [f for f, _ in commands]), name, date, peak, progress))
     print((out / "README.md").read_text())
