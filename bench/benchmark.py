@@ -552,7 +552,7 @@ def measure_all(runs, out, threads):
             for name, repeat, cmd, env in runs:
                 bar.set_postfix_str(f"{name} #{repeat + 1}")
                 if stopped:
-                    results.append({"name": name, "repeat": repeat, "log": "-", "exit_code": None,
+                    results.append({"name": name, "repeat": repeat, "log": "(not run)", "exit_code": None,
                                     "failed": "not run: the benchmark was stopped (SIGTERM)"})
                 else:
                     results.append(measure(name, repeat, cmd, env, out, threads))
