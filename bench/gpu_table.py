@@ -95,7 +95,7 @@ CHATS = 2000  # conversations in chats.jsonl: a few hundred thousand tokens, mor
 WARM_STEPS = 3  # optimizer steps of a warm-up run: the first compiles the training graph, the end evaluates
 WARM_MEMORY_SHARE = 0.9
 WARM_LIMIT_S = 240  # a warm-up still running then is stopped: its graphs compile in the measured run instead
-STOP_GRACE_S = 60  # after SIGTERM, a part's benchmark has this long to write its report
+STOP_GRACE_S = 30  # after SIGTERM, a part's benchmark has this long to write its report (the call ends at 600 s)
 
 
 def peak_tflops_for(name):
