@@ -5,7 +5,9 @@
     python bench/benchmark.py --recipe gpt --preset tiny --configs 2gpu.yaml deepspeed_zero3.yaml
     python bench/benchmark.py --recipe resnet --recipe-args "--data-dir my_images --image-size 32"
     python bench/benchmark.py --recipe gpt --preset 124M --mixed-precision bf16 --configs 1gpu_compile.yaml
-    python bench/benchmark.py --gpu-table                      # on a GPU: the GPU table (docs/measuring.md)
+    python bench/benchmark.py --recipe finetune_lm --configs 1gpu.yaml --batch-size 8 \
+        --recipe-args "--model my-llama --data-files chat.jsonl --block-size 1024"
+    python bench/benchmark.py --gpu-table                      # on a GPU: the GPU table (bench/gpu_table.py)
 
 Every run has the same global batch, seed, step count and precision (--mixed-precision, fp32 by
 default, like the baselines). On a machine with GPUs every run uses all of them; without, it runs
@@ -34,6 +36,7 @@ import math
 import os
 import platform
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -49,8 +52,9 @@ CONFIGS = REPO / "accelerate_configs"
 CPU_SHIM = REPO / "cpu_route"
 MULTI_PROCESS_CONFIGS = ["2gpu.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
                          "deepspeed_zero3_offload.yaml", "fsdp.yaml"]
-DEFAULT_TARGET_LOSS = {"mnist": 0.3, "gpt": 3.0, "resnet": 0.5}
-DEFAULT_BATCH = {"mnist": 128, "gpt": 32, "resnet": 64}  # global; resnet below its recipe's 256, for CPUs
+DEFAULT_TARGET_LOSS = {"mnist": 0.3, "gpt": 3.0, "resnet": 0.5, "finetune_lm": 1.0}
+# Global; resnet below its recipe's 256, for CPUs; finetune_lm: the GPU table's fine-tune, 8 blocks of 1024.
+DEFAULT_BATCH = {"mnist": 128, "gpt": 32, "resnet": 64, "finetune_lm": 8}
 BASELINES = {"ddp-by-hand (per-sample ToTensor)": "per-sample", "ddp-by-hand (tensor pipeline)": "tensor"}
 DDP = "2gpu.yaml"
 # CONFIG+VARIANT in --configs: a shipped config with one change, for the comparisons of --gpu-table.
@@ -65,22 +69,24 @@ LEAN_SHARED_FLAGS = {"--block-size": 1, "--dropout": 1, "--no-batchnorm": 0, "--
                      "--max-grad-norm": 1, "--peak-tflops": 1}
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--recipe", choices=["mnist", "gpt", "resnet"], default="mnist")
+    p.add_argument("--recipe", choices=["mnist", "gpt", "resnet", "finetune_lm"], default="mnist")
     p.add_argument("--configs", nargs="+", default=MULTI_PROCESS_CONFIGS, help="files in accelerate_configs/")
     p.add_argument("--no-baselines", action="store_true", help="MNIST only: skip the two hand-written DDP runs")
     p.add_argument("--no-lean", action="store_true",
                    help="MNIST, GPT: skip the lean-loop ceiling (bench/lean_loop.py) and the 1-process run it "
                         "adds when --configs has none")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
-    p.add_argument("--batch-size", type=int, default=0, help="GLOBAL batch (0: mnist 128, gpt 32, resnet 64)")
+    p.add_argument("--batch-size", type=int, default=0,
+                   help="GLOBAL batch (0: mnist 128, gpt 32, resnet 64, finetune_lm 8)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
                    help="override every config's precision (the baselines are fp32)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each, interleaved; the report takes medians")
     p.add_argument("--log-every", type=int, default=10, help="loss records per run, for the time to --target-loss")
-    p.add_argument("--target-loss", type=float, default=None, help="default: mnist 0.3, gpt 3.0, resnet 0.5")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="default: mnist 0.3, gpt 3.0, resnet 0.5, finetune_lm 1.0")
     p.add_argument("--target-accuracy", type=float, default=0.95, help="test accuracy (mnist, resnet), 0..1")
     p.add_argument("--train-size", type=int, default=20000, help="mnist: synthetic training digits")
     p.add_argument("--test-size", type=int, default=2000, help="mnist: synthetic test digits")
@@ -90,11 +96,17 @@ def parse_args():
     p.add_argument("--data-dir", default="data", help="mnist: where MNIST or the synthetic digits live")
     p.add_argument("--out", default="bench/results", help="report folder")
     p.add_argument("--gpu-table", action="store_true",
-                   help="the GPU table (GPU_TABLE_PARTS) into OUT/<date>-<gpu>/; the other flags but --out and "
-                        "--peak-tflops are ignored")
+                   help="the GPU table (bench/gpu_table.py PARTS) into OUT/<date>-<gpu>/; the other flags but --out "
+                        "and the four below are ignored")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="--gpu-table: the GPU's dense bf16 peak for MFU (0: from the device's name, PEAK_TFLOPS)")
-    args = p.parse_args()
+    p.add_argument("--parts", nargs="+", default=None, help="--gpu-table: only these parts (default: all)")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="--gpu-table: seconds for the whole table; a part still running then is stopped (its "
+                        "finished runs are kept) and the parts after it are not run")
+    p.add_argument("--no-warm", action="store_true",
+                   help="--gpu-table: no compile warm-up; every compiled run compiles in its own measured run")
+    args = p.parse_args(argv)
     missing = [c for c in args.configs if not (CONFIGS / c.split("+")[0]).is_file()]
     if missing:
         p.error(f"no such config in accelerate_configs/: {', '.join(missing)}")
@@ -105,134 +117,6 @@ def parse_args():
     if args.steps < 3 or args.repeats < 1:
         p.error("--steps must be at least 3 (the first step is start-up) and --repeats at least 1")
     return args
-
-
-# --gpu-table: (folder, benchmark arguments, what the part shows), each part one benchmark run into its folder.
-# Sized for the whole table to fit in under 10 minutes on one H100. {images}: an image folder made here.
-GPU_TABLE_PARTS = [
-    ("mnist", ["--recipe", "mnist", "--configs", "1gpu.yaml", "1gpu_compile.yaml", "--no-baselines",
-               "--steps", "200", "--batch-size", "512"],
-     "MNIST: throughput, recipe / lean loop (goal at global batch 512), compile speed-up"),
-    ("gpt", ["--recipe", "gpt", "--preset", "124M", "--configs", "1gpu.yaml", "1gpu_compile.yaml", "--steps", "60"],
-     "GPT-124M: throughput, MFU, recipe / lean loop (goal compiled), compile speed-up"),
-    ("resnet", ["--recipe", "resnet", "--configs", "1gpu.yaml", "1gpu_compile.yaml", "--steps", "60",
-                "--recipe-args", "--data-dir {images} --image-size 32 --num-workers 4"],
-     "ResNet-18 at 32 px: throughput, compile speed-up"),
-    ("zero2-overlap", ["--recipe", "gpt", "--preset", "124M", "--configs", "deepspeed_zero2.yaml",
-                       "deepspeed_zero2.yaml+no-overlap", "--no-lean", "--steps", "40"],
-     "GPT-124M under ZeRO-2, gradient reduction overlapping backward or after it"),
-    ("fsdp-units", ["--recipe", "gpt", "--preset", "124M", "--configs", "fsdp.yaml", "fsdp.yaml+one-unit",
-                    "--no-lean", "--steps", "40"],
-     "GPT-124M under FSDP2, one unit per block or the whole model as one unit"),
-]
-# Dense bf16 peak TFLOPS by device name (first match), the MFU denominator: the SXM figure would understate the
-# MFU of a PCIe card by up to a quarter.
-PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
-
-
-def peak_tflops_for(name):
-    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
-
-
-def gpu_table_runs(out, peak_tflops, images):
-    """[(folder, command)]: one benchmark run per part of GPU_TABLE_PARTS, in bf16, into out/<folder>."""
-    runs = []
-    for folder, part_args, _ in GPU_TABLE_PARTS:
-        part_args = [a.replace("{images}", str(images)) for a in part_args]
-        if "gpt" in part_args:  # MFU needs the peak; the lean loop takes the same flag
-            at = part_args.index("--recipe-args") + 1 if "--recipe-args" in part_args else None
-            extra = f"--peak-tflops {peak_tflops:g}"
-            part_args = (part_args[:at] + [f"{part_args[at]} {extra}"] + part_args[at + 1:] if at
-                         else part_args + ["--recipe-args", extra])
-        runs.append((folder, [sys.executable, str(REPO / "bench" / "benchmark.py"), *part_args,
-                              "--mixed-precision", "bf16", "--out", str(out / folder)]))
-    return runs
-
-
-def gpu_table(args):
-    """Run the parts of the GPU table and write OUT/<date>-<gpu>/README.md from their results.json."""
-    import torch
-    if not torch.cuda.is_available():
-        print("error: --gpu-table measures GPUs and this machine has no CUDA device; run it where one is "
-              "(README, 'On a GPU')", file=sys.stderr)
-        return 2
-    name = torch.cuda.get_device_name(0)
-    peak = args.peak_tflops or peak_tflops_for(name)
-    if not peak:
-        print(f"error: no dense bf16 peak known for {name!r}: pass --peak-tflops", file=sys.stderr)
-        return 2
-    date = time.strftime("%Y-%m-%d")
-    out = Path(args.out).resolve() / f"{date}-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}"
-    out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(REPO / "tests"))
-    from image_folder import write_image_folder  # the tests' striped-image classes: no download needed
-    images = out / "images"
-    if not (images / "train").exists():
-        write_image_folder(images, train_per_class=1024, val_per_class=128, size=32)
-    failed = []
-    for folder, cmd in gpu_table_runs(out, peak, images):
-        print(f"gpu table: {folder}: {' '.join(cmd[1:])}", flush=True)
-        if subprocess.run(cmd, cwd=REPO).returncode != 0:
-            failed.append(folder)
-    reports = {folder: json.loads((out / folder / "results.json").read_text())
-               for folder, _, _ in GPU_TABLE_PARTS if (out / folder / "results.json").exists()}
-    (out / "README.md").write_text(gpu_table_markdown(reports, name, date, peak, failed))
-    print((out / "README.md").read_text())
-    return 1 if failed else 0
-
-
-def gpu_table_markdown(reports, name, date, peak, failed):
-    """The GPU table: one row per run of every part, then the comparisons the issue asks for."""
-    hw = next(iter(reports.values()))["hardware"] if reports else {}
-    lines = [f"# GPU table: {name}", "",
-             f"Measured {date} on {hw.get('label', name)} ({hw.get('host', '?')}); torch {hw.get('torch')}, "
-             f"accelerate {hw.get('accelerate')}, DeepSpeed {hw.get('deepspeed')}. `python bench/benchmark.py "
-             f"--gpu-table`: bf16, MFU against {peak:g} TFLOPS; each part's own report (results.md, logs) is in "
-             "its folder.", "",
-             "| part | run | procs | throughput | MFU | step ms | peak MB per proc | FSDP units |",
-             "|---|---|---|---|---|---|---|---|"]
-    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
-    by = {}
-    for folder, report in reports.items():
-        for row in report["table"]:
-            by[(folder, row["name"])] = row
-            if "failed" in row:
-                lines.append(f"| {folder} | {row['name']} | FAILED: see {row['log']} | | | | | |")
-                continue
-            unit = row["unit"].replace("_per_s", "/s")
-            lines.append(f"| {folder} | {row['name']} | {row['processes']} | {row['throughput']:.0f} {unit} | "
-                         f"{fmt(row.get('mfu') and 100 * row['mfu'], '{:.1f}%')} | {row['step_ms']:.1f} | "
-                         f"{' / '.join(f'{m:.0f}' for m in row['peak_memory_mb_per_rank'])} | "
-                         f"{fmt(row.get('fsdp_units'), '{}')} |")
-    lines += ["", "Comparisons (throughput ratios of the runs above):", ""]
-
-    def ratio(folder, a, b, key="throughput"):
-        ra, rb = by.get((folder, a)), by.get((folder, b))
-        if not ra or not rb or "failed" in ra or "failed" in rb:
-            return "-"
-        return f"{ra[key] / rb[key]:.3f}"
-    for folder in ("mnist", "gpt", "resnet"):
-        if folder not in reports:
-            continue
-        lean = reports[folder]["ratios"].get("recipe_vs_lean", {})
-        parts = [f"recipe / lean loop under {c}: {v['value']:.3f} (goal {v['goal']}, "
-                 f"{'met' if v['met'] else 'NOT met' if v['goal_applies'] else 'not judged'})" for c, v in lean.items()]
-        lines.append(f"- {folder}: compile speed-up (1gpu_compile.yaml / 1gpu.yaml) "
-                     f"{ratio(folder, '1gpu_compile.yaml', '1gpu.yaml')}" + "".join(f"; {p}" for p in parts))
-    if "zero2-overlap" in reports:
-        lines.append("- ZeRO-2 overlap_comm on / off: "
-                     f"{ratio('zero2-overlap', 'deepspeed_zero2.yaml', 'deepspeed_zero2.yaml+no-overlap')}")
-    if "fsdp-units" in reports:
-        lines.append(f"- FSDP one unit per block / one unit: {ratio('fsdp-units', 'fsdp.yaml', 'fsdp.yaml+one-unit')}"
-                     " (peak memory per block / one unit: "
-                     f"{ratio('fsdp-units', 'fsdp.yaml', 'fsdp.yaml+one-unit', 'peak_memory_mb')})")
-    if hw.get("gpus") and len(hw["gpus"]) < 2:
-        lines.append("- With one GPU, ZeRO-2 and FSDP run one process: there is no reduction to overlap and "
-                     "nothing to shard, so those two ratios show their overhead only; on 2 GPUs they compare the "
-                     "real thing.")
-    if failed:
-        lines.append(f"\nFAILED parts: {', '.join(failed)} (their logs are in their folders).")
-    return "\n".join(lines) + "\n"
 
 
 def hardware():
@@ -391,6 +275,8 @@ def plan_runs(args, processes, on_gpu, data_root):
     elif args.recipe == "gpt":
         recipe_args = ["--preset", args.preset, "--max-steps", str(args.steps), "--sample-tokens", "0",
                        "--eval-every", str(args.steps), *common]
+    elif args.recipe == "finetune_lm":  # --model and --data-files come in --recipe-args
+        recipe_args = ["--max-steps", str(args.steps), "--sample-tokens", "0", "--eval-every", str(args.steps), *common]
     else:
         recipe_args = ["--max-steps", str(args.steps), "--epochs", "1000", *common]
     recipe_args += args.recipe_args.split()
@@ -456,6 +342,7 @@ def measure(name, repeat, cmd, env, out, threads):
             # MFU of the steady state: the summary's is over the whole run, start-up included
             "mfu": summary["mfu"] * timing[unit] / summary[unit] if summary.get("mfu") and unit in summary
             else summary.get("mfu"), "fsdp_units": summary.get("fsdp_units"),
+            "padding_share": summary.get("padding_share"),  # finetune_lm: positions that are padding
             "metrics": read_jsonl(run_dir / "metrics.jsonl"), "evals": read_jsonl(run_dir / "eval.jsonl"),
             "final_accuracy": summary.get("test_accuracy", summary.get("val_accuracy")),
             "final_loss": summary.get("final_loss", summary.get("val_loss"))}
@@ -487,6 +374,7 @@ def aggregate(results, target_loss, target_accuracy):
                                          "optimizer_ms", "other_ms", "data_fraction")},
             "optimizer_in_backward": good[0]["optimizer_in_backward"],
             "mfu": med("mfu") if good[0].get("mfu") is not None else None, "fsdp_units": good[0].get("fsdp_units"),
+            "padding_share": good[0].get("padding_share"),  # the data's, the same in every repeat
             "peak_memory_mb_per_rank": [statistics.median(col)
                                         for col in zip(*(r["peak_memory_mb_per_rank"] for r in good))],
             "peak_memory_kind": good[0]["peak_memory_kind"],
@@ -643,39 +531,42 @@ def write_chart(path, report):
     plt.close(fig)
 
 
-def main():
-    args = parse_args()
-    if args.gpu_table:
-        return gpu_table(args)
-    import torch
-    on_gpu = torch.cuda.is_available()
-    processes = args.num_processes or (torch.cuda.device_count() if on_gpu else 2)
-    threads = max(1, (os.cpu_count() or 2) // processes)
-    out = Path(args.out).resolve()
-    for sub in ("logs", "runs"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-    data_root = None
-    if args.recipe == "mnist":  # real MNIST if it is there; else the synthetic digits the recipe would make
-        sys.path.insert(0, str(REPO / "recipes"))
-        from synthetic_data.mnist import write_synthetic_mnist
-        real = Path(args.data_dir) / "MNIST" / "raw" / "train-images-idx3-ubyte"
-        data_root = Path(args.data_dir).resolve() if real.exists() else write_synthetic_mnist(
-            str(Path(args.data_dir).resolve() / f"synthetic-{args.train_size}-{args.test_size}"),
-            args.train_size, args.test_size, seed=0)
-    target_loss = args.target_loss if args.target_loss is not None else DEFAULT_TARGET_LOSS[args.recipe]
-    added = add_single_process_run(args, on_gpu)
-    runs = plan_runs(args, processes, on_gpu, data_root)
-    results = []
-    with tqdm(total=len(runs), desc="benchmark", unit="run") as bar:
-        for name, repeat, cmd, env in runs:
-            bar.set_postfix_str(f"{name} #{repeat + 1}")
-            results.append(measure(name, repeat, cmd, env, out, threads))
-            if "failed" in results[-1]:
-                tqdm.write(f"{name}: FAILED (exit {results[-1]['exit_code']}), see {results[-1]['log']}")
-            bar.update(1)
-    table = aggregate(results, target_loss, args.target_accuracy)
-    settings = {**vars(args), "added_for_lean": added, "on_gpu": on_gpu,
-                "target_loss": target_loss, "processes": processes, "threads_per_process": threads}
+def mnist_data_root(args):
+    """The real MNIST in --data-dir if it is there; else the synthetic digits the recipe would make (written once)."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    from synthetic_data.mnist import write_synthetic_mnist
+    real = Path(args.data_dir) / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    if real.exists():
+        return Path(args.data_dir).resolve()
+    return write_synthetic_mnist(str(Path(args.data_dir).resolve() / f"synthetic-{args.train_size}-{args.test_size}"),
+                                 args.train_size, args.test_size, seed=0)
+
+
+def measure_all(runs, out, threads):
+    """Every run in turn. After a SIGTERM (the GPU table's time budget) the run it interrupted is reported as it
+    ended and the others as not run, so that the report of the runs done is still written."""
+    stopped, results = [], []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
+    try:
+        with tqdm(total=len(runs), desc="benchmark", unit="run") as bar:
+            for name, repeat, cmd, env in runs:
+                bar.set_postfix_str(f"{name} #{repeat + 1}")
+                if stopped:
+                    results.append({"name": name, "repeat": repeat, "log": "(not run)", "exit_code": None,
+                                    "failed": "not run: the benchmark was stopped (SIGTERM)"})
+                else:
+                    results.append(measure(name, repeat, cmd, env, out, threads))
+                if "failed" in results[-1]:
+                    tqdm.write(f"{name}: FAILED (exit {results[-1]['exit_code']}), see {results[-1]['log']}")
+                bar.update(1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return results
+
+
+def write_report(out, args, results, settings, on_gpu):
+    """results.json, results.md and results.png in OUT; the number of failed runs."""
+    table = aggregate(results, settings["target_loss"], args.target_accuracy)
     report = {"date": time.strftime("%Y-%m-%d"), "hardware": hardware(), "settings": settings,
               "table": table, "ratios": ratios(table, results, settings, on_gpu),
               "runs": [{k: v for k, v in r.items() if k not in ("metrics", "evals")} for r in results]}
@@ -689,8 +580,28 @@ def main():
     if failed:
         print(f"error: {len(failed)} run(s) failed ({', '.join(failed)}); their logs are in {out / 'logs'}",
               file=sys.stderr)
-        return 1
-    return 0
+    return len(failed)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.gpu_table:
+        from gpu_table import gpu_table  # bench/gpu_table.py: the parts, their inputs, warm-up and budget
+        return gpu_table(args)
+    import torch
+    on_gpu = torch.cuda.is_available()
+    processes = args.num_processes or (torch.cuda.device_count() if on_gpu else 2)
+    threads = max(1, (os.cpu_count() or 2) // processes)
+    out = Path(args.out).resolve()
+    for sub in ("logs", "runs"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    data_root = mnist_data_root(args) if args.recipe == "mnist" else None
+    target_loss = args.target_loss if args.target_loss is not None else DEFAULT_TARGET_LOSS[args.recipe]
+    added = add_single_process_run(args, on_gpu)
+    results = measure_all(plan_runs(args, processes, on_gpu, data_root), out, threads)
+    settings = {**vars(args), "added_for_lean": added, "on_gpu": on_gpu,
+                "target_loss": target_loss, "processes": processes, "threads_per_process": threads}
+    return 1 if write_report(out, args, results, settings, on_gpu) else 0
 
 
 if __name__ == "__main__":

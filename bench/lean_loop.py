@@ -138,19 +138,18 @@ def autocast(args, device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if args.mixed_precision == "bf16" else torch.float16)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.set_device(device)
-    model, optimizer, data, loss_of, units_per_step, flops_per_unit, name, unit = build(args, device)
-    param_elements = sum(p.numel() for p in model.parameters())
-    net = torch.compile(model, fullgraph=True, dynamic=False) if args.compile else model
+def chosen_device(name):
+    """The device of --device, with an index for a GPU: torch.device("cuda") names none, and torch.cuda.set_device
+    refuses it. "cuda" is the current GPU (the first that CUDA_VISIBLE_DEVICES shows, unless one was set)."""
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def step_function(args, net, optimizer, data, loss_of):
+    """step(i, loss_sum): one optimizer step on the pool's batch i, its loss added to loss_sum on the device."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     scaler = torch.amp.GradScaler("cuda") if args.mixed_precision == "fp16" else None
-    net.train()
 
     def step(i, loss_sum):
         loss = loss_of(net, *(t[i % args.pool] for t in data))  # a view of a batch already on the device
@@ -166,14 +165,20 @@ def main(argv=None):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_sum += loss.detach()  # on the device; read once, at the end
+    return step
 
+
+def timed_steps(args, step, device):
+    """(first_step_at, seconds of the timed steps, their mean loss): --warmup-steps untimed, then --steps in one
+    region, the device synchronised before and after it and nowhere inside."""
+    cuda = device.type == "cuda"
     warm_sum = torch.zeros((), device=device)
     step(0, warm_sum)
     first_step_at = time.time()  # as the recipes' timer: when the host finished issuing the first step
     for i in range(1, args.warmup_steps):
         step(i, warm_sum)
     loss_sum = torch.zeros((), device=device)
-    if cuda:  # the timed region: synchronised before and after, nowhere inside
+    if cuda:
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -187,7 +192,21 @@ def main(argv=None):
         timed_s = start.elapsed_time(end) / 1000
     else:
         timed_s = time.perf_counter() - started
-    final_loss = (loss_sum / args.steps).item()
+    return first_step_at, timed_s, (loss_sum / args.steps).item()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    device = chosen_device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    model, optimizer, data, loss_of, units_per_step, flops_per_unit, name, unit = build(args, device)
+    param_elements = sum(p.numel() for p in model.parameters())
+    net = torch.compile(model, fullgraph=True, dynamic=False) if args.compile else model
+    net.train()
+    first_step_at, timed_s, final_loss = timed_steps(args, step_function(args, net, optimizer, data, loss_of), device)
 
     rate = args.steps * units_per_step / timed_s
     mfu = flops_per_unit * rate / (args.peak_tflops * 1e12) if flops_per_unit and args.peak_tflops else None

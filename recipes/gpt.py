@@ -246,8 +246,10 @@ def main(argv=None):
     train_loader = DataLoader(train_set, batch_size=micro, shuffle=True, drop_last=True, pin_memory=pin)
     # Exactly the blocks evaluated, read to the end: a loader left part-read stays accelerate's active one,
     # and its end-of-data flag would then decide when gradients sync (every micro-batch, with --grad-accum).
-    evaluated = torch.utils.data.Subset(val_set, range(min(len(val_set), args.eval_batches * args.batch_size)))
-    # accelerate fills a short last batch: shapes stay static
+    # Whole batches only: on one process a short last batch is a new shape, which a compiled model would compile
+    # a third graph for (on several, accelerate fills it).
+    evaluated = min(len(val_set), args.eval_batches * args.batch_size)
+    evaluated = torch.utils.data.Subset(val_set, range(evaluated // micro * micro or evaluated))
     val_loader = DataLoader(evaluated, batch_size=micro, pin_memory=pin)
     with run.sharded_init():  # ZeRO-3 (zero3_init_flag) and FSDP: never built whole on every process
         model = GPT(layers, heads, d, block_size, args.dropout)

@@ -119,9 +119,13 @@ def plot(path, x, y, args, filename):
 
 def current_line(model, accelerator):
     """Collective: (m, n) on every rank. Under ZeRO-3 and FSDP each rank holds only a shard of them, and the
-    gathered weights reach the main process only; it passes them on."""
-    state = accelerator.get_state_dict(model)
-    line = [state["weight"].item(), state["bias"].item()] if accelerator.is_main_process else [0.0, 0.0]
+    gathered weights reach the main process only; it passes them on. Under a *_compile.yaml the names carry
+    torch.compile's `_orig_mod.` prefix."""
+    state = accelerator.get_state_dict(model)  # None on the other ranks under ZeRO-3
+    line = [0.0, 0.0]
+    if accelerator.is_main_process:
+        state = {name.removeprefix("_orig_mod."): value for name, value in state.items()}
+        line = [state["weight"].item(), state["bias"].item()]
     return tuple(broadcast(torch.tensor(line, dtype=torch.float64, device=accelerator.device)).tolist())
 
 

@@ -37,8 +37,8 @@ from exit_stress import SELF_INFLICTED  # noqa: E402  (one pattern for a process
 CONFIG_DIR = REPO / "accelerate_configs"
 CPU_SHIM = REPO / "tests" / "cpu_shim"
 CONFIG_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))  # every shipped config
-# The compiled variants are DDP / one GPU plus torch.compile: tests/test_compile.py launches them; the engine
-# matrix (every recipe under every config) runs the others.
+# The compiled variants are DDP / one GPU plus torch.compile: tests/test_compile.py launches gpt and mnist under
+# them (with dynamo's logs), the other recipes' matrices take every config (CONFIG_FILES); ALL_CONFIGS is the rest.
 COMPILE_CONFIGS = [c for c in CONFIG_FILES if c.endswith("_compile.yaml")]
 ALL_CONFIGS = [c for c in CONFIG_FILES if c not in COMPILE_CONFIGS]
 

@@ -2,8 +2,11 @@
 a report whose every figure is the runs' own (tiny sizes; no timing is asserted)."""
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,10 +42,43 @@ def test_baseline_trains_the_recipes_model():
     torch.testing.assert_close(theirs.state_dict(), ours.state_dict())
 
 
-@pytest.mark.slow
-def test_benchmark_smoke_writes_the_report(tmp_path):
-    """Tiny sizes; what is checked is the report, never a timing. The config list has no 1-process run, so the
-    benchmark adds cpu.yaml for the lean loop (bench/lean_loop.py) to be compared with."""
+
+@pytest.mark.parametrize("flag", ["cuda", "auto"])
+def test_lean_loop_trains_on_the_current_gpu_by_index(monkeypatch, tmp_path, flag):
+    """--device cuda (what the benchmark passes on a GPU machine, and what auto picks there) is torch.device("cuda"),
+    which names no GPU; torch.cuda.set_device refuses such a device (ValueError). The lean loop trains on the current
+    GPU by its index. Checked with torch's own set_device down to the driver call, which is recorded instead: this
+    machine has no GPU. The model is never built: the test stops where the device has been chosen."""
+    import torch
+    sys.path.insert(0, str(REPO / "bench"))
+    import lean_loop
+
+    class Built(Exception):
+        pass
+
+    def build(args, device):
+        raise Built(device)
+
+    selected = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # not 0: the index is the current GPU's
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", selected.append)
+    monkeypatch.setattr(lean_loop, "build", build)
+    with pytest.raises(Built) as built:
+        lean_loop.main(["--recipe", "gpt", "--preset", "tiny", "--device", flag, "--output-dir", str(tmp_path)])
+    assert built.value.args[0] == torch.device("cuda", 1) and selected == [1]
+    assert lean_loop.chosen_device("cpu") == torch.device("cpu")
+
+
+SMOKE_DDP, SMOKE_SINGLE, SMOKE_LEAN = "2gpu.yaml", "cpu.yaml", "lean loop"
+SMOKE_TENSOR, SMOKE_COURSE = "ddp-by-hand (tensor pipeline)", "ddp-by-hand (per-sample ToTensor)"
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One tiny benchmark, read by the three tests below: (report, runs by name, each run's summary.json). The
+    config list has no 1-process run, so the benchmark adds cpu.yaml for the lean loop (bench/lean_loop.py)."""
+    tmp_path = tmp_path_factory.mktemp("smoke")
     out = tmp_path / "report"
     code, output = run_command([sys.executable, "bench/benchmark.py", "--steps", "6", "--train-size", "512",
                                 "--test-size", "64", "--log-every", "2", "--configs", "2gpu.yaml",
@@ -50,18 +86,24 @@ def test_benchmark_smoke_writes_the_report(tmp_path):
                                timeout=900)
     assert code == 0, output[-4000:]
     report = json.loads((out / "results.json").read_text())
+    runs = {r["name"]: r for r in report["runs"]}
+    summaries = {name: json.loads((out / "runs" / Path(run["log"]).stem / "summary.json").read_text())
+                 for name, run in runs.items()}  # each run's own summary.json (the run folder is named after its log)
+    return report, runs, summaries, out, output
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_writes_the_report(smoke):
+    """Tiny sizes; what is checked is the report, never a timing: every row is its run's own figures."""
+    report, runs, summaries, _, _ = smoke
     names = [row["name"] for row in report["table"]]
-    ddp, tensor, course = "2gpu.yaml", "ddp-by-hand (tensor pipeline)", "ddp-by-hand (per-sample ToTensor)"
-    single, lean = "cpu.yaml", "lean loop"
-    assert names == [course, tensor, single, ddp, "deepspeed_zero2.yaml", lean]
+    ddp, single, lean = SMOKE_DDP, SMOKE_SINGLE, SMOKE_LEAN
+    assert names == [SMOKE_COURSE, SMOKE_TENSOR, single, ddp, "deepspeed_zero2.yaml", lean]
     assert report["settings"]["added_for_lean"] == [single] and report["settings"]["on_gpu"] is False
     batch = report["settings"]["batch_size"]
     assert batch == 128  # the MNIST default global batch; the recipe and the baselines take it whole per step
     # One round: every table row is one run, so it must carry that run's figures exactly (no median to blur them).
-    runs = {r["name"]: r for r in report["runs"]}
     assert sorted(runs) == sorted(names) and all(r["repeat"] == 0 for r in report["runs"])
-    summaries = {name: json.loads((out / "runs" / Path(runs[name]["log"]).stem / "summary.json").read_text())
-                 for name in names}  # each run's own summary.json (the run folder is named after its log)
     for row in report["table"]:
         assert "failed" not in row, row
         procs = 1 if row["name"] in (single, lean) else 2
@@ -82,10 +124,17 @@ def test_benchmark_smoke_writes_the_report(tmp_path):
     engines = {row["name"]: (row["engine"], row["zero_stage"]) for row in report["table"]}
     assert engines[ddp] == ("MULTI_CPU", None) and engines["deepspeed_zero2.yaml"] == ("DEEPSPEED", 2)
     assert engines[single] == ("NO", None) and engines[lean] == ("lean loop", None)
-    # The lean loop, from its own summary.json: its timed region of m steps and T seconds gives step_ms = 1000 T / m
-    # and throughput = m x batch / T; the data are on the device (no wait) and the phases are one region (null).
-    # It ran what the recipe's 1-process run ran: the same model (parameter count), batch, precision, no compile,
-    # as many steps (warm-up included) on the same device.
+    assert runs[ddp]["other_ms"] > 0 and runs[SMOKE_TENSOR]["other_ms"] == 0  # the recipe's bookkeeping; none by hand
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_lean_loop_ran_what_the_recipe_ran(smoke):
+    """The lean loop, from its own summary.json: its timed region of m steps and T seconds gives step_ms = 1000 T / m
+    and throughput = m x batch / T; the data are on the device (no wait) and the phases are one region (null).
+    It ran what the recipe's 1-process run ran: the same model (parameter count), batch, precision, no compile,
+    as many steps (warm-up included) on the same device."""
+    report, runs, summaries, _, _ = smoke
+    batch, lean = report["settings"]["batch_size"], SMOKE_LEAN
     lean_summary, lean_timing = summaries[lean], summaries[lean]["timing"]
     lean_step_ms = 1000 * lean_timing["timed_s"] / lean_timing["micro_batches"]
     assert runs[lean]["step_ms"] == pytest.approx(lean_step_ms, rel=1e-12)
@@ -94,20 +143,27 @@ def test_benchmark_smoke_writes_the_report(tmp_path):
     assert lean_timing["micro_batches"] + lean_timing["warmup_steps"] == report["settings"]["steps"] == 6
     phases = ("data_ms", "forward_backward_ms", "optimizer_ms", "other_ms")
     assert [lean_timing[phase] for phase in phases] == [0.0, None, None, 0.0]
-    assert lean_summary["param_elements"] == summaries[single]["param_elements"] > 0
+    assert lean_summary["param_elements"] == summaries[SMOKE_SINGLE]["param_elements"] > 0
     assert [lean_summary[key] for key in ("model", "batch_size", "mixed_precision", "compile", "device",
                                           "optimizer_implementation")] == ["mnist", batch, "no", False, "cpu", "fused"]
-    assert runs[ddp]["other_ms"] > 0 and runs[tensor]["other_ms"] == 0  # the recipe's bookkeeping; none by hand
-    # The three ratios, recomputed from the rows they are built from (bench/benchmark.py ratios())
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_ratios_come_from_their_rows(smoke):
+    """The three ratios, recomputed from the rows they are built from (bench/benchmark.py ratios()), and the
+    report's Markdown and chart that show them."""
+    report, runs, _, out, output = smoke
+    ddp, single, lean = SMOKE_DDP, SMOKE_SINGLE, SMOKE_LEAN
+    names = [row["name"] for row in report["table"]]
     by = {row["name"]: row for row in report["table"]}
     ratios = report["ratios"]
     assert set(ratios) == {"accelerate_overhead", "data_wait_share", "throughput_vs_ddp", "recipe_vs_lean"}
     overhead = ratios["accelerate_overhead"]  # step time, recipe under 2gpu.yaml / DDP by hand, same pipeline
-    assert overhead["per_round"] == pytest.approx([runs[ddp]["step_ms"] / runs[tensor]["step_ms"]], rel=1e-12)
+    assert overhead["per_round"] == pytest.approx([runs[ddp]["step_ms"] / runs[SMOKE_TENSOR]["step_ms"]], rel=1e-12)
     assert overhead["value"] == pytest.approx(overhead["per_round"][0], rel=1e-12)
     assert overhead["met"] == (overhead["value"] <= 1.03)
     share = ratios["data_wait_share"]  # the recipe's data wait vs the course-style pipeline's
-    assert (share["value"], share["course_baseline"]) == (by[ddp]["data_fraction"], by[course]["data_fraction"])
+    assert (share["value"], share["course_baseline"]) == (by[ddp]["data_fraction"], by[SMOKE_COURSE]["data_fraction"])
     assert share["met"] == (share["value"] < 0.05)
     vs_ddp = ratios["throughput_vs_ddp"]
     assert list(vs_ddp) == names
@@ -198,25 +254,41 @@ def test_gpu_table_refuses_a_machine_without_gpu(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_gpu_table_plans_every_comparison(tmp_path, monkeypatch):
-    """Each part of the GPU table is one benchmark run whose arguments the benchmark accepts; the two variants
-    differ from their shipped config in the one key they name, and nothing else."""
-    import yaml
+def gpu_table_modules():
     sys.path.insert(0, str(REPO / "bench"))
     import benchmark
-    runs = dict(benchmark.gpu_table_runs(tmp_path, 756.0, tmp_path / "images"))
-    assert list(runs) == ["mnist", "gpt", "resnet", "zero2-overlap", "fsdp-units"]
+    import gpu_table
+    return benchmark, gpu_table
+
+
+INPUTS = {"images": "/in/images", "llama": "/in/llama", "chats": "/in/chats.jsonl"}
+TABLE = ["mnist", "gpt", "finetune-full", "finetune-lora", "finetune-padded", "resnet", "zero2-overlap", "fsdp-units"]
+
+
+def test_gpu_table_plans_every_comparison(tmp_path):
+    """Each part of the GPU table is one benchmark run whose arguments the benchmark accepts, its inputs filled in;
+    the two variants differ from their shipped config in the one key they name, and with one GPU they are left out
+    (one process has nothing to overlap or shard)."""
+    import yaml
+    benchmark, gpu_table = gpu_table_modules()
     configs = {}
-    for folder, cmd in runs.items():
-        monkeypatch.setattr(sys, "argv", cmd[1:])
-        args = benchmark.parse_args()  # exits on an unknown config, variant or flag
-        assert args.mixed_precision == "bf16" and Path(args.out) == tmp_path / folder
-        configs[folder] = args.configs
-        if args.recipe == "gpt":
-            assert "--peak-tflops 756" in args.recipe_args
-    assert configs["mnist"] == configs["gpt"] == configs["resnet"] == ["1gpu.yaml", "1gpu_compile.yaml"]
-    assert configs["zero2-overlap"] == ["deepspeed_zero2.yaml", "deepspeed_zero2.yaml+no-overlap"]
-    assert configs["fsdp-units"] == ["fsdp.yaml", "fsdp.yaml+one-unit"]
+    for gpus in (2, 1):
+        runs = dict(gpu_table.part_commands(tmp_path, 756.0, INPUTS, gpus))
+        assert list(runs) == TABLE
+        for folder, cmd in runs.items():
+            args = benchmark.parse_args(cmd[2:])  # exits on an unknown config, variant or flag
+            assert args.mixed_precision == "bf16" and Path(args.out) == tmp_path / folder
+            assert "{" not in args.recipe_args, args.recipe_args  # every input filled in
+            configs[gpus, folder] = args.configs
+            assert ("--peak-tflops 756" in args.recipe_args) == (args.recipe in ("gpt", "finetune_lm")), folder
+    for gpus in (1, 2):
+        assert configs[gpus, "mnist"] == configs[gpus, "gpt"] == configs[gpus, "resnet"] == ["1gpu.yaml",
+                                                                                              "1gpu_compile.yaml"]
+        assert configs[gpus, "finetune-full"] == configs[gpus, "finetune-lora"] == ["1gpu.yaml", "1gpu_compile.yaml"]
+        assert configs[gpus, "finetune-padded"] == ["1gpu.yaml"]
+    assert configs[2, "zero2-overlap"] == ["deepspeed_zero2.yaml", "deepspeed_zero2.yaml+no-overlap"]
+    assert configs[2, "fsdp-units"] == ["fsdp.yaml", "fsdp.yaml+one-unit"]
+    assert (configs[1, "zero2-overlap"], configs[1, "fsdp-units"]) == (["deepspeed_zero2.yaml"], ["fsdp.yaml"])
     # ZeRO-2 without overlap: the JSON copy differs in overlap_comm (and the dtype the benchmark always sets)
     launch_args, _ = benchmark.config_launch("deepspeed_zero2.yaml+no-overlap", 2, True, "bf16", tmp_path)
     shipped = json.loads((REPO / "accelerate_configs" / "deepspeed_zero2.json").read_text())
@@ -230,5 +302,214 @@ def test_gpu_table_plans_every_comparison(tmp_path, monkeypatch):
     shipped = yaml.safe_load((REPO / "accelerate_configs" / "fsdp.yaml").read_text())
     assert copy["fsdp_config"].pop("fsdp_auto_wrap_policy") == "NO_WRAP"
     assert shipped["fsdp_config"].pop("fsdp_auto_wrap_policy") == "TRANSFORMER_BASED_WRAP" and copy == shipped
-    assert benchmark.peak_tflops_for("NVIDIA H100 PCIe") == 756 and benchmark.peak_tflops_for("NVIDIA H100 80GB HBM3") \
+    assert gpu_table.peak_tflops_for("NVIDIA H100 PCIe") == 756 and gpu_table.peak_tflops_for("NVIDIA H100 80GB HBM3") \
         == 989
+    assert [p.folder for p in gpu_table.selected(["fsdp-units", "gpt"])] == ["gpt", "fsdp-units"]  # PARTS' order
+    with pytest.raises(ValueError, match="no such part: nope"):
+        gpu_table.selected(["nope"])
+
+
+def test_gpu_table_runs_are_accepted_by_their_scripts(tmp_path, monkeypatch):
+    """Every run of every part, as the benchmark will launch it on a GPU, parses with its script's own parser (the
+    recipe's, or bench/lean_loop.py's): a misspelt or missing flag fails here rather than on the GPU. The fine-tune
+    parts pass --packing or --no-packing, recipes/finetune_lm.py's flag of issue "Fine-tune at H100 speed"."""
+    import importlib
+
+    import torch
+    benchmark, gpu_table = gpu_table_modules()
+    sys.path.insert(0, str(REPO / "recipes"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # parsed as on the GPU (lean loop: --device cuda)
+    scripts = set()
+    for folder, cmd in gpu_table.part_commands(tmp_path, 756.0, INPUTS, 2):
+        args = benchmark.parse_args(cmd[2:])
+        benchmark.add_single_process_run(args, True)
+        for name, _, run_cmd, _ in benchmark.plan_runs(args, 2, True, tmp_path / "synthetic-20000-2000"):
+            script = next(arg for arg in run_cmd if arg.endswith(".py"))
+            argv = run_cmd[run_cmd.index(script) + 1:] + ["--output-dir", str(tmp_path / "run")]
+            try:
+                importlib.import_module(Path(script).stem).parse_args(argv)
+            except SystemExit:
+                pytest.fail(f"{folder}: {name}: {Path(script).name} refuses {' '.join(argv)}")
+            scripts.add(Path(script).name)
+    assert scripts == {"mnist.py", "gpt.py", "resnet.py", "finetune_lm.py", "lean_loop.py"}
+
+
+def test_gpu_table_warms_each_compiled_run_with_its_own_command(tmp_path, monkeypatch):
+    """The warm-up runs every compiled run of the table (and no other) with the command its part will measure it
+    with, for fewer steps: the same model, batch, precision and config, so the same graphs in inductor's caches."""
+    benchmark, gpu_table = gpu_table_modules()
+    data_root = tmp_path / "synthetic-20000-2000"
+    monkeypatch.setattr(benchmark, "mnist_data_root", lambda args: data_root)  # nothing written in the repository
+    commands = gpu_table.part_commands(tmp_path, 756.0, INPUTS, 1)
+    warms = gpu_table.warm_plan(commands, gpu_table.PARTS, tmp_path, threads=16)
+    compiled = ["1gpu_compile.yaml", "lean loop (compiled)"]
+    assert [(w.part, w.name) for w in warms] == [("mnist", c) for c in compiled] + [("gpt", c) for c in compiled] + [
+        ("finetune-full", compiled[0]), ("finetune-lora", compiled[0]), ("resnet", compiled[0])]
+    steps = {"--max-steps", "--eval-every", "--epochs", "--steps", "--warmup-steps", "--main_process_port"}
+
+    def without_steps(cmd):  # the flags that count steps (and the launch's free port) taken out with their values
+        return [arg for i, arg in enumerate(cmd) if arg not in steps and (i == 0 or cmd[i - 1] not in steps)]
+    for warm in warms:
+        args = benchmark.parse_args(dict(commands)[warm.part][2:])
+        measured = {name: cmd for name, _, cmd, _ in benchmark.plan_runs(args, 1, True, data_root)}[warm.name]
+        assert warm.cmd[-2] == "--output-dir" and Path(warm.cmd[-1]).parent == tmp_path / "warm"
+        assert without_steps(warm.cmd[:-2]) == without_steps(measured), warm.name
+        count = {flag: int(warm.cmd[warm.cmd.index(flag) + 1]) for flag in steps - {"--main_process_port"}
+                 if flag in warm.cmd}
+        assert count.get("--max-steps", count.get("--warmup-steps", 0) + count.get("--steps", 0)) == \
+            gpu_table.WARM_STEPS, (warm.name, count)
+        assert warm.env["OMP_NUM_THREADS"] == "16"
+        assert warm.gb == next(p.warm_gb for p in gpu_table.PARTS if p.folder == warm.part) > 0
+
+
+# A warm-up stand-in that takes a lock file for a moment: it fails if another holds it (two ran at once).
+HOLD_LOCK = ("import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); time.sleep(0.3); "
+             "os.close(fd); os.unlink(sys.argv[1])")
+
+
+def test_gpu_table_warm_up_keeps_within_the_memory_cap(tmp_path):
+    """Warm-ups whose memory estimates do not fit together never run together; all of them run, and each one's
+    end is reported (a failure is reported, not raised)."""
+    _, gpu_table = gpu_table_modules()
+    lock = str(tmp_path / "gpu")
+    warms = [gpu_table.Warm("p", f"run {i}", [sys.executable, "-c", HOLD_LOCK, lock, str(tmp_path / f"w{i}")], {}, 30)
+             for i in range(3)]
+    warms.append(gpu_table.Warm("p", "broken", [sys.executable, "-c", "raise SystemExit(3)", str(tmp_path / "b")],
+                                {}, 1))
+    ended = gpu_table.warm_up(warms, cap_gb=50, limit_s=120, log_dir=tmp_path / "logs")
+    assert ended == {"p: run 0": "warmed", "p: run 1": "warmed", "p: run 2": "warmed", "p: broken": "failed (3)"}
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["b.log", "w0.log", "w1.log", "w2.log"]
+
+
+def test_gpu_table_part_stopped_at_the_budget(tmp_path):
+    """A part still running when the table's budget is spent is stopped, its whole process group with it; a part
+    whose turn comes after that is not started."""
+    _, gpu_table = gpu_table_modules()
+    child = tmp_path / "child.pid"
+    part = [sys.executable, "-c", "import subprocess, sys, time; "
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+            f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(600)"]
+    assert gpu_table.run_part(part, seconds_left=0) == "not run: the table's budget was spent"
+    assert gpu_table.run_part(part, seconds_left=3).startswith("stopped at the table's budget")
+    pid = int(child.read_text())
+
+    def gone():  # exited (a zombie until its new parent reaps it) or reaped
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+    deadline = time.monotonic() + 30  # the signal is delivered at once; this only waits for the exit to finish
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(), f"the part's child {pid} outlived the stop"
+
+
+def test_benchmark_stopped_by_sigterm_reports_the_runs_done(tmp_path):
+    """SIGTERM (the GPU table's budget) ends the benchmark's plan after the run it interrupted: that run is reported
+    as it ended, the others as not run, so the report of what was measured is still written."""
+    benchmark, _ = gpu_table_modules()
+    (tmp_path / "logs").mkdir()
+    stop_me = [sys.executable, "-c", "import os, signal; os.kill(os.getppid(), signal.SIGTERM)"]
+    results = benchmark.measure_all([("first", 0, stop_me, {}), ("second", 0, stop_me, {})], tmp_path, 1)
+    assert [r["name"] for r in results] == ["first", "second"]
+    assert results[0]["exit_code"] == 0 and "failed" in results[0]  # it wrote no summary.json
+    assert results[1]["failed"] == "not run: the benchmark was stopped (SIGTERM)"
+    assert signal.getsignal(signal.SIGTERM) is not None  # the handler it replaced is back
+
+
+def test_gpu_table_readme_compares_the_fine_tunes(tmp_path):
+    """README.md's fine-tune comparisons are the ratios of the rows they name, with the goals of issue "Fine-tune at
+    H100 speed"; each part's time and a part that did not finish are listed."""
+    _, gpu_table = gpu_table_modules()
+
+    def row(name, rate, mfu, padding):
+        return {"name": name, "processes": 1, "unit": "tokens_per_s", "throughput": rate, "mfu": mfu,
+                "step_ms": 8192e3 / rate, "peak_memory_mb_per_rank": [30000.0], "padding_share": padding}
+
+    def report(*rows):
+        return {"table": list(rows), "ratios": {}, "hardware": {"label": "1 x H100", "host": "h", "torch": "2.11"}}
+    eager, compiled = "1gpu.yaml", "1gpu_compile.yaml"
+    reports = {"finetune-full": report(row(eager, 50000, 0.30, 0.01), row(compiled, 80000, 0.52, 0.01)),
+               "finetune-lora": report(row(eager, 80000, 0.25, 0.01), row(compiled, 120000, 0.4, 0.01)),
+               "finetune-padded": report(row(eager, 20000, 0.12, 0.72))}
+    progress = {"statuses": {"finetune-full": "done", "finetune-lora": "done", "finetune-padded": "done",
+                             "zero2-overlap": "not run: the table's budget was spent"},
+                "timings": {"inputs": 12.0, "warm-up": 95.0, "finetune-full": 70.4}, "gpus": 1,
+                "facts": {"chats": {"conversations": 2000, "median_tokens": 199, "mean_tokens": 289.3, "longest": 2009,
+                                    "over_1024": 0.015}},
+                "warm": {f"finetune-full: {compiled}": "warmed", f"finetune-lora: {compiled}": "failed (1)"}}
+    text = gpu_table.markdown(reports, "NVIDIA H100", "2026-11-25", 989.0, progress)
+    assert "| finetune-padded | 1gpu.yaml | 1 | 20000 tokens/s | 12.0% | 409.6 | 30000 | 72% | - |" in text
+    assert "LoRA / full (real tokens/s): eager 1.600, compiled 1.500 (goal >= 1.5 both)" in text
+    assert "packed / padded (real tokens/s, full fine-tune, eager): 2.500 (goal >= 2)" in text
+    assert "compiled full fine-tune MFU: 52.0% (goal >= 50%)" in text
+    assert "compile speed-up (1gpu_compile.yaml / 1gpu.yaml): full 1.600, LoRA 1.500" in text
+    assert "2000 conversations, median 199 tokens, mean 289, longest 2009, 1.5% longer than the block" in text
+    assert "Time (s): inputs 12, warm-up 95, finetune-full 70." in text
+    assert "Compile warm-up: 1 of 2 compiled runs warmed the caches; finetune-lora: 1gpu_compile.yaml: failed (1)." \
+        in text
+    assert "- zero2-overlap: not run: the table's budget was spent" in text
+
+
+def test_gpu_table_writes_a_llama_and_uneven_chats(tmp_path):
+    """The fine-tune inputs (here a tiny shape on the CPU; the table's is LLAMA_1B on the GPU): a Llama that
+    from_pretrained loads with the asked shape, the tests' tokenizer with its chat template, and chats whose
+    lengths spread (most short, a few over the block)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    _, gpu_table = gpu_table_modules()
+    assert gpu_table.LLAMA_1B | {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+                                 "num_key_value_heads": 8} == gpu_table.LLAMA_1B
+    shape = {**gpu_table.LLAMA_1B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    paths, facts = gpu_table.write_finetune_inputs(tmp_path, shape=shape, device="cpu")
+    model = AutoModelForCausalLM.from_pretrained(paths["llama"])
+    assert model.dtype == torch.bfloat16 and model.config.num_key_value_heads == 2 and model.config.hidden_size == 64
+    tokenizer = AutoTokenizer.from_pretrained(paths["llama"])
+    assert "{% generation %}" in tokenizer.get_chat_template() and len(tokenizer) == model.config.vocab_size
+    chats = [json.loads(line) for line in paths["chats"].read_text().splitlines()]
+    assert len(chats) == facts["conversations"] == gpu_table.CHATS
+    assert all(m["role"] in ("system", "user", "assistant") for c in chats for m in c["messages"])
+    assert 100 < facts["median_tokens"] < facts["mean_tokens"] < 1024 < facts["longest"]  # a long tail
+    assert 0 < facts["over_1024"] < 0.05
+
+
+def test_gpu_table_runs_its_parts_in_turn_within_the_budget(tmp_path, monkeypatch, capsys):
+    """gpu_table() on a pretend GPU, its parts stood in for by small scripts: the parts run in turn, README.md says
+    how each ended and holds the rows of those that reported; a part still running at the budget is stopped and the
+    ones after it are not run; the exit code says the table is incomplete."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+    _, gpu_table = gpu_table_modules()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(gpu_table, "write_inputs", lambda out, parts: ({}, {}))
+    warmed = []
+    monkeypatch.setattr(gpu_table, "warm_phase",
+                        lambda commands, parts, out, gpus, left: warmed.append([f for f, _ in commands]) or {})
+    row = {"name": "1gpu.yaml", "processes": 1, "unit": "tokens_per_s", "throughput": 500000.0, "mfu": 0.4,
+           "step_ms": 65.5, "peak_memory_mb_per_rank": [9000.0]}
+    report = {"table": [row], "ratios": {}, "hardware": {"label": "1 x NVIDIA H100", "host": "h", "torch": "2.11"}}
+    stand_ins = {"gpt": f"import json, pathlib, sys; p = pathlib.Path(sys.argv[1]); p.mkdir(parents=True); "
+                        f"(p / 'results.json').write_text(json.dumps({report!r}))",
+                 "mnist": "raise SystemExit(1)", "resnet": "import time; time.sleep(600)", "fsdp-units": "pass"}
+
+    def part_commands(out, peak, inputs, gpus, parts):
+        return [(p.folder, [sys.executable, "-c", stand_ins[p.folder], str(out / p.folder)]) for p in parts]
+    monkeypatch.setattr(gpu_table, "part_commands", part_commands)
+    args = argparse.Namespace(out=str(tmp_path), parts=["gpt", "mnist", "resnet", "fsdp-units"], peak_tflops=0.0,
+                              budget_s=10.0, no_warm=False)  # resnet waits for it: a few seconds
+    assert gpu_table.gpu_table(args) == 1
+    [table] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert table.name.endswith("-nvidia-h100-80gb-hbm3") and warmed == [["mnist", "gpt", "resnet", "fsdp-units"]]
+    readme = (table / "README.md").read_text()
+    assert "| gpt | 1gpu.yaml | 1 | 500000 tokens/s | 40.0% | 65.5 | 9000 | - | - |" in readme
+    assert "MFU against 989 TFLOPS" in readme
+    assert "- mnist: failed (exit 1)" in readme and "- resnet: stopped at the table's budget" in readme
+    assert "- fsdp-units: not run: the table's budget was spent" in readme
+    assert re.search(r"Time \(s\): inputs \d+, warm-up \d+, mnist \d+, gpt \d+, resnet \d+\.", readme), readme
+    assert "gpu table: resnet: stopped at the table's budget" in capsys.readouterr().out

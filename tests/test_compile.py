@@ -3,6 +3,8 @@
 Swapping the file is the whole change. What must hold compiled, and can be seen from outside the run:
 the same training as eager, no graph break in the model's forward, a recompile only where the shape or
 mode truly changes (training -> evaluation), and a model.safetensors with the model's own key names.
+gpt and mnist are launched here under both compiled configs, with dynamo's logs; finetune_lm, resnet,
+linear_regression, pi and data_sharding run under them in their own matrices (every config of CONFIG_FILES).
 """
 
 import re
@@ -39,11 +41,16 @@ def test_models_forward_has_no_graph_break():
         assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
 
 
-def test_gpt_compiled_under_ddp_trains_like_eager(shelf):  # noqa: F811
-    eager = shelf("gpt", "2gpu.yaml")
-    compiled = shelf("gpt", "2gpu_compile.yaml", env=LOGS)
+# Each compiled config beside its eager twin: the same launch with the dynamo_config removed.
+EAGER = {"1gpu_compile.yaml": "1gpu.yaml", "2gpu_compile.yaml": "2gpu.yaml"}
+
+
+@pytest.mark.parametrize("config", list(EAGER))
+def test_gpt_compiled_trains_like_eager(shelf, config):
+    eager = shelf("gpt", EAGER[config])  # the matrix runs of tests/test_gpt.py
+    compiled = shelf("gpt", config, env=LOGS)
     s = compiled.summary
-    assert (s["distributed_type"], s["world_size"]) == EXPECTED["2gpu_compile.yaml"][:2]
+    assert (s["distributed_type"], s["world_size"]) == EXPECTED[config][:2]
     recompiles, reasons, breaks = compile_report(compiled.output)
     assert not breaks, breaks
     # Compiled once for training and once more for evaluation (no_grad): nothing recompiles for a shape.
@@ -64,13 +71,14 @@ def test_gpt_compiled_under_ddp_trains_like_eager(shelf):  # noqa: F811
         torch.testing.assert_close(weights[name], value, atol=1e-3, rtol=1e-3, msg=name)
 
 
-def test_mnist_compiled_on_one_process(launch):
-    """1gpu_compile.yaml (full graph: a break would be an error) on the MNIST recipe: trains, compiles training
-    once and evaluation once, and exports weights the plain ConvNet loads."""
-    run = launch("1gpu_compile.yaml", "--epochs", "1", "--max-steps", "8", "--log-every", "1",
+@pytest.mark.parametrize("config", list(EAGER))
+def test_mnist_compiled(launch, config):
+    """The MNIST recipe under each compiled config (1gpu_compile.yaml: full graph, a break would be an error):
+    trains, compiles training once and evaluation once, and exports weights the plain ConvNet loads."""
+    run = launch(config, "--epochs", "1", "--max-steps", "8", "--log-every", "1",
                  launch_args=("--mixed_precision", "no"), env=LOGS)
     s = run.summary
-    assert (s["distributed_type"], s["world_size"], s["steps"]) == ("NO", 1, 8)
+    assert (s["distributed_type"], s["world_size"], s["steps"]) == (*EXPECTED[config][:2], 8)
     assert s["final_loss"] < s["first_loss"]
     recompiles, reasons, breaks = compile_report(run.output)
     assert not breaks and recompiles and max(recompiles) == 1, (recompiles, breaks)

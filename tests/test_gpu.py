@@ -12,8 +12,10 @@ Each launch checks what only a GPU shows:
     Not under DeepSpeed: its optimizer step reads the gradient norm and the overflow flag on the host
     (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py: .item(), synchronize()), by its design. Not in
     linear_regression.py either: the lab logs its line's m and n at every step.
-Launch sizes fit the pack in under 10 minutes on one H100; the runs are launched here, not through the CPU
-route.
+The runs are launched here, not through the CPU route. `bash bench/gpu_pack.sh pack` runs the pack on 8 pytest
+workers that share the GPU (pytest-xdist; each worker writes its own gpu_data): every launch is small, so the GPU has
+room for eight, and a test's time is mostly process start-up and compilation, which the cores share (target: the
+whole pack, install included, under 5 minutes on one H100).
 """
 
 import json

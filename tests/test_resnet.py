@@ -13,13 +13,13 @@ import sys
 
 import pytest
 
-from launching import ALL_CONFIGS, OFFLOAD, REPO
+from launching import CONFIG_FILES, OFFLOAD, REPO
 from run_checks import assert_engine, assert_refused, assert_shards_held
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("config", CONFIG_FILES)  # the *_compile.yaml ones too
 def test_resnet_under_every_config(shelf, config):
     run = shelf("resnet", config, check=config != OFFLOAD)
     if config == OFFLOAD:
