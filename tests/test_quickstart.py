@@ -12,7 +12,18 @@ import re
 
 import pytest
 
-from launching import CONFIG_DIR, FP32, REPO, TEST_SIZE, TRAIN_SIZE, cpu_route, deepspeed_precision, run_command
+from launching import (
+    CONFIG_DIR,
+    CONFIG_FILES,
+    EXPECTED,
+    FP32,
+    REPO,
+    TEST_SIZE,
+    TRAIN_SIZE,
+    cpu_route,
+    deepspeed_precision,
+    run_command,
+)
 
 QUICKSTART = REPO / "recipes" / "quickstart"
 TORCH_ONLY, WITH_ACCELERATE = QUICKSTART / "torch_only.py", QUICKSTART / "with_accelerate.py"
@@ -115,16 +126,22 @@ def test_with_accelerate_under_python_prints_the_same_numbers(torch_only_run, mn
     assert epoch_lines(output) == epoch_lines(torch_only_run[1]) != [], output
 
 
+def launch_quickstart(config, mnist_root, tmp_path, training=TRAINING):
+    """accelerate launch of with_accelerate.py under `config` on this CPU (fp32); returns its output."""
+    route_args, route_env = cpu_route(config)
+    route_args += deepspeed_precision(config, FP32, tmp_path / "run")  # fp32 for a DeepSpeed JSON too
+    cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), *route_args, *FP32,
+           str(WITH_ACCELERATE), "--data-dir", str(mnist_root), *training]
+    returncode, output = run_command(cmd, env=route_env, timeout=600)
+    assert returncode == 0, f"launch failed ({returncode}):\n{output[-6000:]}"  # run_command: no process aborted
+    return output
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config, distributed_type",
                          [("2gpu.yaml", "MULTI_CPU"), ("deepspeed_zero2.yaml", "DEEPSPEED")])
 def test_with_accelerate_launched_as_two_processes(config, distributed_type, mnist_root, tmp_path):
-    route_args, route_env = cpu_route(config)
-    route_args += deepspeed_precision(config, FP32, tmp_path / "run")  # fp32 for a DeepSpeed JSON too
-    cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), *route_args, *FP32,
-           str(WITH_ACCELERATE), "--data-dir", str(mnist_root), *TRAINING]
-    returncode, output = run_command(cmd, env=route_env, timeout=600)
-    assert returncode == 0, f"launch failed ({returncode}):\n{output[-6000:]}"  # run_command: no process aborted
+    output = launch_quickstart(config, mnist_root, tmp_path)
     # accelerator.state and the epoch line come once, from the main process, not once per process.
     assert output.count("Distributed environment:") == 1, output[-6000:]
     assert f"Distributed environment: DistributedType.{distributed_type}" in output, output[-6000:]
@@ -135,3 +152,30 @@ def test_with_accelerate_launched_as_two_processes(config, distributed_type, mni
     # 501 images over 2 processes: accelerate pads the last batch, gather_for_metrics drops the padding.
     assert epoch == 1 and counted == TEST_SIZE, output[-3000:]
     assert accuracy > MIN_ACCURACY and test_loss < 2.3, output[-3000:]
+
+
+SMALL_TRAIN, SMALL_TEST = 256, 101  # the other configs' launches: the file runs there; learning is checked above
+
+
+@pytest.fixture(scope="module")
+def small_mnist_root(tmp_path_factory):
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    from synthetic_data.mnist import write_synthetic_mnist
+    root = tmp_path_factory.mktemp("small-mnist")
+    write_synthetic_mnist(root, SMALL_TRAIN, SMALL_TEST, seed=0)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [c for c in CONFIG_FILES if c not in ("2gpu.yaml", "deepspeed_zero2.yaml")])
+def test_with_accelerate_under_every_other_config(config, small_mnist_root, tmp_path):
+    """The quickstart's claim, "any config of accelerate_configs/ fits", launched: the engine each config asks for,
+    one printed line, every test image counted once, every process exiting cleanly."""
+    output = launch_quickstart(config, small_mnist_root, tmp_path, training=["--epochs", "1", "--batch-size", "32"])
+    distributed_type, processes = EXPECTED[config][:2]
+    assert output.count("Distributed environment:") == 1, output[-6000:]
+    assert f"Distributed environment: DistributedType.{distributed_type}" in output, output[-6000:]
+    assert f"Num processes: {processes}" in output, output[-6000:]
+    [(epoch, train_loss, test_loss, accuracy, correct, counted)] = epoch_lines(output)
+    assert epoch == 1 and counted == SMALL_TEST and correct == round(accuracy * counted / 100), output[-3000:]
