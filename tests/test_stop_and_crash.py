@@ -131,6 +131,7 @@ def test_worker_whose_launcher_is_gone_at_start_exits_at_once(outside_any_launch
     or a subreaper. Here the worker's parent (a shell standing in for the launcher) exits at once, leaving the
     worker orphaned before it imports anything; it must say so and exit instead of training on."""
     log = tmp_path / "worker.log"
+    log.touch()  # the backgrounded worker's shell may open it only after sh has returned (seen on a loaded machine)
     env = dict(os.environ, TORCHELASTIC_RUN_ID="test", RANK="1", CHILD=CHILD, LOG=str(log))
     subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$CHILD" > "$LOG" 2>&1 &'], cwd=REPO, env=env, check=True,
                    timeout=60)
