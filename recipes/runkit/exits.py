@@ -10,7 +10,9 @@ Owns:
 
 import atexit
 import json
+import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -71,7 +73,23 @@ def teardown(accelerator, code=0):
     accelerator.end_training()
     if accelerator.num_processes == 1:
         return code
+    _end_data_workers()
     atexit._run_exitfuncs()  # what interpreter exit runs first, while everything is alive
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _end_data_workers():
+    """DataLoader workers still alive here (persistent_workers=True keeps them for the next epoch) are killed.
+
+    Interpreter exit would send them SIGTERM and join them, but a worker forked from a run inherits the run's
+    stop handler and takes SIGTERM as "stop after this step" (what Slurm's signal to every task needs), so
+    that join waited forever: the run had written its results and never exited. SIGKILL cannot be taken so;
+    the workers hold nothing to save. torch's SIGCHLD handler is set back first: it raises for a worker that
+    dies by a signal, which here is on purpose."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join()
