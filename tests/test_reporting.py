@@ -1,7 +1,9 @@
-"""--report-to and --profile in the recipes: TensorBoard scalars read back, curves.png, the profiler's traces
-of every rank, and the step's time split in the summary."""
+"""What a run reports: --report-to and --profile in the recipes (TensorBoard scalars read back, curves.png, the
+profiler's traces of every rank, the step's time split in the summary), the SUMMARY line against summary.json,
+what the end of a run costs by part, and docs/measuring.md's snippets loading each result."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +120,30 @@ def test_unknown_report_target_is_one_line():
     out = subprocess.run([sys.executable, "recipes/mnist.py", "--report-to", "wandb"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "invalid choice: 'wandb'" in out.stderr
+
+
+def loading_snippets():
+    """The Python blocks of docs/measuring.md's "Loading what a run wrote", in order."""
+    text = (REPO / "docs" / "measuring.md").read_text()
+    section = re.search(r"^## Loading what a run wrote\s*$(.*?)(?=^## )", text, re.M | re.S).group(1)
+    return re.findall(r"^```python\n(.*?)^```", section, re.M | re.S)
+
+
+@pytest.mark.slow
+def test_the_docs_snippets_load_each_result(reference, lora, hf):
+    """model.safetensors into the recipe's class, the from_pretrained directory with its tokenizer, and PEFT's adapter
+    on its base: each snippet as the docs give it, on the outputs of runs the suite makes anyway, its paths replaced."""
+    mnist_run, _ = reference("2gpu.yaml")
+    finetuned = lora("2gpu.yaml")  # LoRA with --merge-lora: OUTPUT_DIR/adapter and OUTPUT_DIR/model
+    snippets = loading_snippets()
+    assert len(snippets) == 3, snippets
+    for snippet, out_dir in zip(snippets, (mnist_run.out_dir, finetuned.out_dir, finetuned.out_dir)):
+        code = re.sub(r'^output_dir = ".*"', f"output_dir = {str(out_dir)!r}", snippet, count=1, flags=re.M)
+        code = re.sub(r'^base_model = ".*"', f"base_model = {str(hf / 'model')!r}", code, count=1, flags=re.M)
+        assert code.count(str(out_dir)) == 1, code
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, f"{snippet}\n{out.stderr[-3000:]}"
+        if "ConvNet" in snippet:
+            assert re.fullmatch(r"tensor\(\[\d, \d, \d, \d\]\)", out.stdout.strip()), out.stdout
+        if "generate" in snippet:
+            assert out.stdout.strip(), "the fine-tuned model generated nothing"
