@@ -1,8 +1,8 @@
 """torch.compile by config (accelerate_configs/*_compile.yaml): real compiled runs on CPU (inductor's C++ kernels).
 
 Swapping the file is the whole change. What must hold compiled, and can be seen from outside the run:
-the same training as eager, no graph break in the model's forward, a recompile only where the shape or
-mode truly changes (training -> evaluation), and a model.safetensors with the model's own key names.
+the same training as eager, no graph break in the model's forward, one graph compiled (training's: evaluation
+and what follows the last step run the same model eagerly), and a model.safetensors with the model's own key names.
 """
 
 import re
@@ -46,9 +46,8 @@ def test_gpt_compiled_under_ddp_trains_like_eager(shelf):  # noqa: F811
     assert (s["distributed_type"], s["world_size"]) == EXPECTED["2gpu_compile.yaml"][:2]
     recompiles, reasons, breaks = compile_report(compiled.output)
     assert not breaks, breaks
-    # Compiled once for training and once more for evaluation (no_grad): nothing recompiles for a shape.
-    assert recompiles and max(recompiles) == 1, recompiles
-    assert reasons and all("grad_mode" in reason for reason in reasons), reasons
+    # Compiled once, for training: evaluation (no_grad) runs eagerly, so nothing recompiles, for a mode or a shape.
+    assert not recompiles and s["compiled_graphs"] == 1, (reasons, s["compiled_graphs"])
     assert len(compiled.metrics) == len(eager.metrics) == 12
     for a, b in zip(eager.metrics, compiled.metrics):  # inductor's kernels round differently: 1e-3
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), (a, b)
@@ -66,15 +65,14 @@ def test_gpt_compiled_under_ddp_trains_like_eager(shelf):  # noqa: F811
 
 def test_mnist_compiled_on_one_process(launch):
     """1gpu_compile.yaml (full graph: a break would be an error) on the MNIST recipe: trains, compiles training
-    once and evaluation once, and exports weights the plain ConvNet loads."""
+    once and evaluation not at all (eager), and exports weights the plain ConvNet loads."""
     run = launch("1gpu_compile.yaml", "--epochs", "1", "--max-steps", "8", "--log-every", "1",
                  launch_args=("--mixed_precision", "no"), env=LOGS)
     s = run.summary
     assert (s["distributed_type"], s["world_size"], s["steps"]) == ("NO", 1, 8)
     assert s["final_loss"] < s["first_loss"]
     recompiles, reasons, breaks = compile_report(run.output)
-    assert not breaks and recompiles and max(recompiles) == 1, (recompiles, breaks)
-    assert all("grad_mode" in reason for reason in reasons), reasons
+    assert not breaks and not recompiles and s["compiled_graphs"] == 1, (reasons, breaks, s["compiled_graphs"])
     sys.path.insert(0, str(REPO / "recipes"))
     from mnist import ConvNet
     ConvNet().load_state_dict(run.params(), strict=True)

@@ -155,6 +155,16 @@ def held_parameters(model):
     return elements, checksum
 
 
+def compiled_graphs():
+    """How many graphs torch.compile compiled in this process (dynamo's counter): 0 for an eager run, 1 where only
+    the training step was compiled."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def footprint(accelerator, model):
     """Collective: peak memory and the parameters every rank holds, for the summary."""
     world, cuda = accelerator.num_processes, accelerator.device.type == "cuda"

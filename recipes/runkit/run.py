@@ -63,6 +63,7 @@ from .refusals import (
 from .reporting import (
     MetricsLog,
     StepProfiler,
+    compiled_graphs,
     footprint,
     peaks_at_start,
     plot_curves,
@@ -452,6 +453,7 @@ class Run:
             "param_elements": sum(v.numel() for k, v in weights.items()
                                   if v.is_floating_point() and "running" not in k),
             "model_init": self.model_init, **self.peaks_at_start, **extra, "end_of_run": end,
+            "compiled_graphs": compiled_graphs(),
             "wall_time_s": time.perf_counter() - self.t_start, "args": vars(args)},
             shown=[*evaluation, f"{self.unit}_per_s", "mfu", *numbers])
         results = [os.path.join(out, name) for name in ("summary.json", "metrics.jsonl", "eval.jsonl")
