@@ -3,6 +3,7 @@ profiler's traces of every rank, the step's time split in the summary), the SUMM
 what the end of a run costs by part, and docs/measuring.md's snippets loading each result."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -213,3 +214,30 @@ def test_the_end_of_a_run_by_part_and_the_summary_line(reference):
         full = summary[key]
         assert value == (float(f"{full:.4g}") if isinstance(full, float) else full), (key, value, full)
     assert {"test_accuracy", "samples_per_s", "final_loss", "wall_time_s"} <= set(shown), line
+
+
+QUIET = """
+import os, sys
+sys.path.insert(0, "recipes")
+import datasets
+from runkit.engines import name_the_cpu_for_deepspeed
+from runkit.exits import one_line
+from runkit.reporting import quiet_progress_bars
+name_the_cpu_for_deepspeed()
+quiet_progress_bars()
+import transformers
+print(datasets.utils.are_progress_bars_disabled(), os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"),
+      transformers.utils.logging.is_progress_bar_enabled(), os.environ.get("DS_ACCELERATOR"))
+print(one_line("RuntimeError: Error downloading x.gz:\\nTried https://a/, got:\\n<urlopen error>\\n\\nTried http://b/"))
+"""
+
+
+def test_a_log_file_gets_no_progress_bars_and_one_line_errors():
+    """stderr to a file (a redirected run, a Slurm job): datasets', transformers' and the Hub's bars off, whether
+    imported before or after; DeepSpeed told it runs on the CPU without a GPU (no 'Setting accelerator to CPU' from
+    every process); an exception's text over several lines (urllib's) printed as one."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    out = subprocess.run([sys.executable, "-c", QUIET], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "True 1 False cpu", "RuntimeError: Error downloading x.gz: Tried https://a/, got: <urlopen error> Tried http://b/"]
