@@ -65,7 +65,7 @@ def test_gpt_compiled_under_ddp_trains_like_eager(shelf):  # noqa: F811
 
 def test_mnist_compiled_on_one_process(launch):
     """1gpu_compile.yaml (full graph: a break would be an error) on the MNIST recipe: trains, compiles training
-    once and evaluation not at all (eager), and exports weights the plain ConvNet loads."""
+    once and evaluation once, and exports weights the plain ConvNet loads."""
     run = launch("1gpu_compile.yaml", "--epochs", "1", "--max-steps", "8", "--log-every", "1",
                  launch_args=("--mixed_precision", "no"), env=LOGS)
     s = run.summary
