@@ -1,8 +1,8 @@
 """torch.compile by config (accelerate_configs/*_compile.yaml): real compiled runs on CPU (inductor's C++ kernels).
 
 Swapping the file is the whole change. What must hold compiled, and can be seen from outside the run:
-the same training as eager, no graph break in the model's forward, one graph compiled (training's: evaluation
-and what follows the last step run the same model eagerly), and a model.safetensors with the model's own key names.
+the same training as eager, no graph break in the model's forward, one graph: no recompile even where the shape or
+mode truly changes (training -> evaluation), and a model.safetensors with the model's own key names.
 """
 
 import re
