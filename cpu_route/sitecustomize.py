@@ -15,8 +15,14 @@ help (ACCELERATE_USE_CPU=1 is accelerate's own switch); this route is for the re
 2. torch.nn.SyncBatchNorm (--sync-bn). Its kernels exist for CUDA only, its forward refuses CPU
    tensors and DistributedDataParallel refuses a CPU module holding one. This gives it a CPU path
    that computes the same global batch statistics with an autograd-aware all-reduce.
-3. The first DeepSpeed run on a CPU builds DeepSpeed's CPU ops, silently, for about a minute or
-   two: this says so before it starts.
+3. DeepSpeed compiles its CPU ops (torch's JIT extensions) on first use, silently, for about a minute
+   or two. This says so when a compilation really starts (ninja has work to do), and how long it took.
+   Each Python environment gets its own extensions directory (TORCH_EXTENSIONS_DIR, unless you set
+   it): torch's default, ~/.cache/torch_extensions/py311_cpu, is shared by every environment of one
+   Python version, and an environment whose torch or DeepSpeed differs rebuilds the ops of the other
+   one at every switch. DeepSpeed's own start-up lines on a CPU are quieted: "Setting accelerator to
+   CPU" (the CPU is named for it, DS_ACCELERATOR=cpu, on a machine without NVIDIA devices), torch's
+   "No CUDA runtime is found" and DeepSpeed's "... built successfully", printed by every process.
 4. accelerator.end_training() at the end of a script. Under DeepSpeed and FSDP the gloo process group
    outlives destroy_process_group (DeepSpeed's groups and FSDP's mesh still hold it), and so do gloo's
    worker threads. One that is still letting go of a finished collective when Python starts to finalize
@@ -82,36 +88,120 @@ def _sync_batchnorm_on_cpu():
 DEEPSPEED_CPU_OPS = {"deepspeed_shm_comm": 40, "cpu_adam": 110}
 
 
-def _optimizer_offload():
-    """Where the launch puts DeepSpeed's optimizer: from the YAML's key, or from the DeepSpeed JSON it names."""
-    device = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
-    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if device is None and config_file != "none":
-        import json
-        try:
-            with open(config_file) as f:
-                zero = json.load(f).get("zero_optimization", {})
-        except (OSError, ValueError, AttributeError):
-            return "none"  # accelerate itself reports an unreadable JSON
-        device = (zero.get("offload_optimizer") or {}).get("device")
-    return device or "none"
+def extensions_dir(torch_version_cuda=None):
+    """torch's JIT extensions directory for this Python environment: TORCH_EXTENSIONS_DIR when set, else one of its
+    own beside torch's default (~/.cache/torch_extensions/py311_cpu-ENV-HASH, HASH from the environment's path)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    import hashlib
+    import sys
+
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    flavour = f"cu{torch_version_cuda.replace('.', '')}" if torch_version_cuda else "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    prefix = os.path.realpath(sys.prefix)
+    tag = f"{os.path.basename(prefix)}-{hashlib.sha256(prefix.encode()).hexdigest()[:8]}"
+    return os.path.join(cache, "torch_extensions", f"{python}_{flavour}-{tag}")
 
 
-def deepspeed_ops_to_build(torch):
-    """The DeepSpeed CPU ops this worker is about to compile: not yet in torch's extension cache."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-        return []
-    ops = ["deepspeed_shm_comm"]  # built when DeepSpeed sets up its process group, inside Accelerator()
-    if _optimizer_offload() == "cpu":
-        ops.append("cpu_adam")  # built inside prepare() for the offloaded optimizer
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:  # torch.utils.cpp_extension's default, without importing it (it warns about CUDA)
-        import sys
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-        flavour = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        root = os.path.join(os.path.realpath(os.path.join(cache, "torch_extensions")), f"{python}_{flavour}")
-    return [op for op in ops if not os.path.isfile(os.path.join(root, op, op + ".so"))]
+def ninja_has_work(build_directory):
+    """Whether ninja would compile anything in build_directory (a dry run, milliseconds); True when it cannot say."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["ninja", "-n", "-C", build_directory], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return out.returncode != 0 or "no work to do" not in out.stdout
+
+
+def _announce_builds(cpp_extension):
+    """Say when torch really compiles an extension (ninja has work), in the process that compiles it, and how long
+    it took: the other processes wait for its lock meanwhile, silent."""
+    import sys
+    import time
+
+    run_ninja_build = cpp_extension._run_ninja_build
+
+    def announced(build_directory, verbose, error_prefix):
+        pending = ninja_has_work(build_directory)
+        name = os.path.basename(os.path.normpath(build_directory))
+        if pending:
+            expected = DEEPSPEED_CPU_OPS.get(name.split("_v")[0], 60)
+            print(f"cpu_route: compiling DeepSpeed's CPU op {name} into {build_directory}: about {expected} s on an "
+                  f"idle 2-core machine, silent meanwhile; later runs of this environment reuse it", file=sys.stderr,
+                  flush=True)
+        started = time.monotonic()
+        run_ninja_build(build_directory, verbose, error_prefix)
+        if pending:
+            print(f"cpu_route: compiled {name} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+
+    cpp_extension._run_ninja_build = announced
+
+
+class _QuietCudaHome:
+    """A logging filter: torch's "No CUDA runtime is found, using CUDA_HOME=..." is expected on the CPU route."""
+
+    @staticmethod
+    def filter(record):
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+def _quiet_deepspeed_op_loads():
+    """DeepSpeed prints "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" from every process at
+    every start, built or not (deepspeed/comm/torch.py's build_shm_op): run that function without its print."""
+    import contextlib
+    import importlib.abc
+    import importlib.util
+    import io
+    import sys
+
+    def quiet(build):
+        def quiet_build():
+            with contextlib.redirect_stdout(io.StringIO()):
+                return build()
+        return quiet_build
+
+    class AfterImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != "deepspeed.comm.torch":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_then_quiet(module):
+                exec_module(module)
+                if callable(getattr(module, "build_shm_op", None)):
+                    module.build_shm_op = quiet(module.build_shm_op)
+            spec.loader.exec_module = exec_then_quiet
+            return spec
+
+    sys.meta_path.insert(0, AfterImport())
+
+
+def _deepspeed_on_cpu(torch):
+    """A DeepSpeed worker: its own extensions directory, builds announced, the start-up lines quieted."""
+    import logging
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir(torch.version.cuda)
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_QuietCudaHome)
+    from torch.utils import cpp_extension
+
+    if hasattr(cpp_extension, "_run_ninja_build"):  # torch's private builder: announce what it really builds
+        _announce_builds(cpp_extension)
+    _quiet_deepspeed_op_loads()
+
+
+def _name_the_cpu_for_deepspeed():
+    """Without NVIDIA devices, tell DeepSpeed that it runs on the CPU (DS_ACCELERATOR=cpu) instead of letting it find
+    out and warn "Setting accelerator to CPU. If you have GPU ..." in the launcher and every worker."""
+    import glob
+
+    if "DS_ACCELERATOR" not in os.environ and not glob.glob("/dev/nvidia[0-9]*"):
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def _idle_gloo_threads_after_end_training():
@@ -164,18 +254,15 @@ def wait_for_idle_gloo_threads(polls=3, interval=0.002, deadline=2.0):
 
 
 def install():
+    _name_the_cpu_for_deepspeed()  # the launcher too: accelerate launch imports DeepSpeed for DeepSpeed configs
     if "LOCAL_RANK" not in os.environ:  # not a worker started by accelerate launch / torchrun
         return
     import torch
 
     if torch.cuda.is_available():
         return
-    building = deepspeed_ops_to_build(torch)
-    if building and os.environ.get("RANK", "0") == "0":
-        import sys
-        seconds = sum(DEEPSPEED_CPU_OPS[op] for op in building)
-        print(f"cpu_route: DeepSpeed compiles its CPU ops {', '.join(building)} on this first run: about {seconds} s "
-              f"on an idle 2-core machine, and silent meanwhile; later runs reuse them.", file=sys.stderr, flush=True)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        _deepspeed_on_cpu(torch)
     if "true" in (os.environ.get("ACCELERATE_USE_DEEPSPEED", ""), os.environ.get("ACCELERATE_USE_FSDP", "")):
         _force_gpu_like_state()  # DDP configs need no help: ACCELERATE_USE_CPU=1 is accelerate's own route
         _idle_gloo_threads_after_end_training()

@@ -41,12 +41,13 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
 from torch.utils.data import DataLoader
 
-from runkit import engines, exits, refusals, reporting
+from runkit import engines, exits, flags, refusals, reporting
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    flags.one_line_errors(p)  # a wrong flag: one line, from the main process only
     p.add_argument("--dataset-size", type=int, default=23, help="samples 0..N-1 (odd by default, on purpose)")
     p.add_argument("--batch-size", type=int, default=4, help="GLOBAL batch, split across all processes")
     p.add_argument("--epochs", type=int, default=2, help="epochs whose shards are shown")

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchvision.datasets import MNIST
 
 from runkit import Run, add_run_args
+from runkit.exits import one_line
 from synthetic_data.mnist import write_synthetic_mnist
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -97,7 +98,7 @@ def load_mnist(args, accelerator, run):
                 download = accelerator.is_local_main_process
                 splits = [MNIST(args.data_dir, train=t, download=download) for t in (True, False)]
             except Exception as exc:  # not on disk and no network, a proxy, a read-only disk...
-                why = f"{type(exc).__name__}: {exc}"
+                why = one_line(f"{type(exc).__name__}: {exc}")  # urllib's errors run over several lines
                 if args.data == "mnist":
                     run.fail(f"MNIST is not in {args.data_dir!r} and could not be downloaded ({why}). Compute "
                              f"nodes often have no internet: download it on a login node (python recipes/mnist.py "

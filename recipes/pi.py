@@ -28,7 +28,7 @@ import time
 import torch
 from accelerate import Accelerator
 
-from runkit import engines, exits, refusals, reporting
+from runkit import engines, exits, flags, refusals, reporting
 
 CHUNK = 10_000_000  # intervals evaluated at once: 80 MB of float64, whatever N is
 
@@ -36,6 +36,7 @@ CHUNK = 10_000_000  # intervals evaluated at once: 80 MB of float64, whatever N 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    flags.one_line_errors(p)  # a wrong flag: one line, from the main process only
     p.add_argument("--intervals", default="1e3,1e5,1e7",
                    help="comma-separated interval counts N (scientific notation allowed)")
     p.add_argument("--output-dir", default="runs/pi", help="summary.json")

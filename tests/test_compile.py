@@ -1,7 +1,7 @@
 """torch.compile by config (accelerate_configs/*_compile.yaml): real compiled runs on CPU (inductor's C++ kernels).
 
 Swapping the file is the whole change. What must hold compiled, and can be seen from outside the run:
-the same training as eager, no graph break in the model's forward, a recompile only where the shape or
+the same training as eager, no graph break in the model's forward, one graph: no recompile even where the shape or
 mode truly changes (training -> evaluation), and a model.safetensors with the model's own key names.
 gpt and mnist are launched here under both compiled configs, with dynamo's logs; finetune_lm, resnet,
 linear_regression, pi and data_sharding run under them in their own matrices (every config of CONFIG_FILES).
@@ -53,9 +53,8 @@ def test_gpt_compiled_trains_like_eager(shelf, config):
     assert (s["distributed_type"], s["world_size"]) == EXPECTED[config][:2]
     recompiles, reasons, breaks = compile_report(compiled.output)
     assert not breaks, breaks
-    # Compiled once for training and once more for evaluation (no_grad): nothing recompiles for a shape.
-    assert recompiles and max(recompiles) == 1, recompiles
-    assert reasons and all("grad_mode" in reason for reason in reasons), reasons
+    # Compiled once, for training: evaluation (no_grad) runs eagerly, so nothing recompiles, for a mode or a shape.
+    assert not recompiles and s["compiled_graphs"] == 1, (reasons, s["compiled_graphs"])
     assert len(compiled.metrics) == len(eager.metrics) == 12
     for a, b in zip(eager.metrics, compiled.metrics):  # inductor's kernels round differently: 1e-3
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), (a, b)
@@ -81,8 +80,7 @@ def test_mnist_compiled(launch, config):
     assert (s["distributed_type"], s["world_size"], s["steps"]) == (*EXPECTED[config][:2], 8)
     assert s["final_loss"] < s["first_loss"]
     recompiles, reasons, breaks = compile_report(run.output)
-    assert not breaks and recompiles and max(recompiles) == 1, (recompiles, breaks)
-    assert all("grad_mode" in reason for reason in reasons), reasons
+    assert not breaks and not recompiles and s["compiled_graphs"] == 1, (reasons, breaks, s["compiled_graphs"])
     sys.path.insert(0, str(REPO / "recipes"))
     from mnist import ConvNet
     ConvNet().load_state_dict(run.params(), strict=True)

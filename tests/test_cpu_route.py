@@ -1,8 +1,13 @@
-"""cpu_route/: what it tells a user before DeepSpeed's silent first-run compilation (quick, no launch)."""
+"""cpu_route/: DeepSpeed's CPU ops built once per environment and announced when they really are built, and the gloo
+threads' wait in end_training (quick, no launch)."""
 
 import importlib.util
+import os
+import re
+import subprocess
+import sys
 
-import torch
+import pytest
 
 from launching import REPO
 
@@ -14,27 +19,56 @@ def load_route():
     return module
 
 
-def test_says_which_deepspeed_ops_a_first_run_compiles(monkeypatch, tmp_path):
+def test_each_python_environment_gets_its_own_extensions_directory(monkeypatch, tmp_path):
+    """torch's default, ~/.cache/torch_extensions/py311_cpu, is shared by every environment of one Python version:
+    two environments whose torch or DeepSpeed differ rebuilt each other's ops at every switch (minutes each)."""
     route = load_route()
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.delenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", raising=False)
-    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
-    assert route.deepspeed_ops_to_build(torch) == ["deepspeed_shm_comm"]
-    # The shipped configs name a DeepSpeed JSON: the offload is read from there.
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(REPO / "accelerate_configs" / "deepspeed_zero3.json"))
-    assert route.deepspeed_ops_to_build(torch) == ["deepspeed_shm_comm"]
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE",
-                       str(REPO / "accelerate_configs" / "deepspeed_zero3_offload.json"))
-    assert route.deepspeed_ops_to_build(torch) == ["deepspeed_shm_comm", "cpu_adam"]
-    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu")
-    assert route.deepspeed_ops_to_build(torch) == ["deepspeed_shm_comm", "cpu_adam"]
-    (tmp_path / "deepspeed_shm_comm").mkdir()
-    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")  # built before
-    assert route.deepspeed_ops_to_build(torch) == ["cpu_adam"]
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
-    assert route.deepspeed_ops_to_build(torch) == []
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(sys, "prefix", "/envs/one")
+    one = route.extensions_dir(None)
+    monkeypatch.setattr(sys, "prefix", "/envs/two")
+    two = route.extensions_dir(None)
+    assert one != two and os.path.dirname(one) == os.path.dirname(two) == str(tmp_path / "torch_extensions")
+    assert os.path.basename(one).startswith(f"py{sys.version_info.major}{sys.version_info.minor}")
+    assert "-one-" in os.path.basename(one) and route.extensions_dir(None) == two  # stable for one environment
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert route.extensions_dir(None) == str(tmp_path / "mine")  # the user's choice stands
+
+
+BUILD = """
+import importlib.util, sys
+from torch.utils import cpp_extension
+spec = importlib.util.spec_from_file_location("route", sys.argv[1])
+route = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(route)
+route._announce_builds(cpp_extension)
+cpp_extension.load(name="tiny_op", sources=[sys.argv[2]], extra_cflags=sys.argv[3:], is_python_module=False)
+print("loaded", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_build_is_announced_when_it_really_happens(tmp_path):
+    """torch's JIT extensions (DeepSpeed's CPU ops) through cpu_route's announcement, on a one-line C++ op: the first
+    load compiles and says so; a fresh process finds it built and says nothing; a process whose flags differ (what
+    another environment's torch or DeepSpeed gives) recompiles, and says so: a check of the .so alone missed that."""
+    source = tmp_path / "tiny_op.cpp"
+    source.write_text("int tiny_op() { return 1; }\n")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+
+    def load(*flags):
+        out = subprocess.run([sys.executable, "-c", BUILD, str(REPO / "cpu_route" / "sitecustomize.py"), str(source),
+                              *flags], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0 and out.stdout.strip() == "loaded", out.stderr[-3000:]
+        return [line for line in out.stderr.splitlines() if line.startswith("cpu_route:")]
+
+    first = load("-DENVIRONMENT=1")
+    assert len(first) == 2 and first[0].startswith("cpu_route: compiling DeepSpeed's CPU op tiny_op into "), first
+    assert re.fullmatch(r"cpu_route: compiled tiny_op in \d+ s", first[1]), first
+    assert load("-DENVIRONMENT=1") == []
+    assert [line.split(" into ")[0] for line in load("-DENVIRONMENT=2")][:1] == [
+        "cpu_route: compiling DeepSpeed's CPU op tiny_op"]
 
 
 def named_thread(name, work):

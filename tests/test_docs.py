@@ -30,7 +30,7 @@ SUMMARY_KEYS = [
     # speed and time
     "samples_per_s", "tokens_per_s", "images_per_s", "mfu", "data_time_s", "compute_time_s", "data_fraction",
     "timing", "data_ms", "forward_backward_ms", "optimizer_ms", "other_ms", "optimizer_in_backward",
-    "micro_batches", "first_step_at", "wall_time_s",
+    "micro_batches", "first_step_at", "wall_time_s", "end_of_run", "compiled_graphs",
     # memory and parameters
     "peak_memory_mb", "peak_memory_mb_per_rank", "peak_memory_kind", "peak_memory_reserved_mb_per_rank",
     "param_elements",

@@ -1,7 +1,10 @@
-"""--report-to and --profile in the recipes: TensorBoard scalars read back, curves.png, the profiler's traces
-of every rank, and the step's time split in the summary."""
+"""What a run reports: --report-to and --profile in the recipes (TensorBoard scalars read back, curves.png, the
+profiler's traces of every rank, the step's time split in the summary), the SUMMARY line against summary.json,
+what the end of a run costs by part, and docs/measuring.md's snippets loading each result."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +121,123 @@ def test_unknown_report_target_is_one_line():
     out = subprocess.run([sys.executable, "recipes/mnist.py", "--report-to", "wandb"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "invalid choice: 'wandb'" in out.stderr
+
+
+def loading_snippets():
+    """The Python blocks of docs/measuring.md's "Loading what a run wrote", in order."""
+    text = (REPO / "docs" / "measuring.md").read_text()
+    section = re.search(r"^## Loading what a run wrote\s*$(.*?)(?=^## )", text, re.M | re.S).group(1)
+    return re.findall(r"^```python\n(.*?)^```", section, re.M | re.S)
+
+
+@pytest.mark.slow
+def test_the_docs_snippets_load_each_result(reference, lora, hf):
+    """model.safetensors into the recipe's class, the from_pretrained directory with its tokenizer, and PEFT's adapter
+    on its base: each snippet as the docs give it, on the outputs of runs the suite makes anyway, its paths replaced."""
+    mnist_run, _ = reference("2gpu.yaml")
+    finetuned = lora("2gpu.yaml")  # LoRA with --merge-lora: OUTPUT_DIR/adapter and OUTPUT_DIR/model
+    snippets = loading_snippets()
+    assert len(snippets) == 3, snippets
+    for snippet, out_dir in zip(snippets, (mnist_run.out_dir, finetuned.out_dir, finetuned.out_dir)):
+        code = re.sub(r'^output_dir = ".*"', f"output_dir = {str(out_dir)!r}", snippet, count=1, flags=re.M)
+        code = re.sub(r'^base_model = ".*"', f"base_model = {str(hf / 'model')!r}", code, count=1, flags=re.M)
+        assert code.count(str(out_dir)) == 1, code
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, f"{snippet}\n{out.stderr[-3000:]}"
+        if "ConvNet" in snippet:
+            assert re.fullmatch(r"tensor\(\[\d, \d, \d, \d\]\)", out.stdout.strip()), out.stdout
+        if "generate" in snippet:
+            assert out.stdout.strip(), "the fine-tuned model generated nothing"
+
+
+def test_summary_line_is_short_and_summary_json_complete():
+    """The SUMMARY line: the figures a person reads, floats to 4 significant digits, nulls left out, JSON a script
+    parses; without `shown` (pi.py, data_sharding.py) every field but args, as is."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    from runkit.reporting import summary_line
+
+    summary = {"recipe": "finetune_lm", "distributed_type": "MULTI_CPU", "world_size": 2, "mixed_precision": "no",
+               "deepspeed_stage": None, "steps": 40, "resumed_from_step": None, "first_loss": 5.736412048339844,
+               "final_loss": 5.2712049961090095, "eval_loss": 5.123456789, "tokens_per_s": 1234.5678901,
+               "mfu": None, "timing": {"forward_backward_ms": 1.23456789}, "checkpoints": [{"save_s": 0.1}],
+               "peak_memory_mb": 934.2123, "wall_time_s": 65.31234, "args": {"lr": 1e-3}}
+    line = summary_line(summary, shown=["eval_loss", "tokens_per_s", "mfu"])
+    assert line.startswith("SUMMARY ")
+    assert json.loads(line[len("SUMMARY "):]) == {
+        "recipe": "finetune_lm", "distributed_type": "MULTI_CPU", "world_size": 2, "mixed_precision": "no",
+        "steps": 40, "first_loss": 5.736, "final_loss": 5.271, "eval_loss": 5.123, "tokens_per_s": 1235.0,
+        "peak_memory_mb": 934.2, "wall_time_s": 65.31}
+    whole = json.loads(summary_line({"recipe": "pi", "pi": 3.141592653589793, "args": {}})[len("SUMMARY "):])
+    assert whole == {"recipe": "pi", "pi": 3.141592653589793}
+
+
+def test_a_compiled_model_evaluates_without_a_second_graph():
+    """run.eager_if_compiled, around every evaluation and after the last step: the compiled model of training runs
+    its eager code in eval mode under no_grad, where torch.compile would otherwise compile a second graph (its guards
+    on grad mode and the batch's shape fail). The counter shows it: one graph, and two without the context."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    from runkit.run import eager_if_compiled
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1)), backend="eager")
+    model(torch.randn(8, 4)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    model.eval()
+    with torch.no_grad(), eager_if_compiled():
+        model(torch.randn(3, 4))
+    assert counters["stats"]["unique_graphs"] == 1
+    with torch.no_grad():
+        model(torch.randn(3, 4))  # what the evaluation did before: a second graph
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_the_end_of_a_run_by_part_and_the_summary_line(reference):
+    """After the last step: the final evaluation, the export and the report, each timed in summary.json's end_of_run,
+    within its total; and the SUMMARY line the run printed is summary.json's figures, short and rounded."""
+    run, _ = reference("2gpu.yaml")
+    summary = run.summary
+    end = summary["end_of_run"]
+    parts = ("evaluation_s", "checkpoint_s", "recipe_s", "export_s", "report_s")
+    assert set(end) == {*parts, "total_s"} and all(end[p] >= 0 for p in parts), end
+    assert end["evaluation_s"] > 0 and end["export_s"] > 0, end  # the last step's evaluation, model.safetensors
+    assert sum(end[p] for p in parts) <= end["total_s"] * 1.01 + 1e-3 and end["total_s"] < summary["wall_time_s"]
+    line = next(x for x in run.output.splitlines() if x.startswith("SUMMARY "))
+    shown = json.loads(line[len("SUMMARY "):])
+    assert len(line) < 500 and "args" not in shown and "timing" not in shown, line
+    for key, value in shown.items():
+        full = summary[key]
+        assert value == (float(f"{full:.4g}") if isinstance(full, float) else full), (key, value, full)
+    assert {"test_accuracy", "samples_per_s", "final_loss", "wall_time_s"} <= set(shown), line
+
+
+QUIET = """
+import os, sys
+sys.path.insert(0, "recipes")
+import datasets
+from runkit.engines import name_the_cpu_for_deepspeed
+from runkit.exits import one_line
+from runkit.reporting import quiet_progress_bars
+name_the_cpu_for_deepspeed()
+quiet_progress_bars()
+import transformers
+print(datasets.utils.are_progress_bars_disabled(), os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"),
+      transformers.utils.logging.is_progress_bar_enabled(), os.environ.get("DS_ACCELERATOR"))
+print(one_line("RuntimeError: Error downloading x.gz:\\nTried https://a/, got:\\n<urlopen error>\\n\\nTried http://b/"))
+"""
+
+
+def test_a_log_file_gets_no_progress_bars_and_one_line_errors():
+    """stderr to a file (a redirected run, a Slurm job): datasets', transformers' and the Hub's bars off, whether
+    imported before or after; DeepSpeed told it runs on the CPU without a GPU (no 'Setting accelerator to CPU' from
+    every process); an exception's text over several lines (urllib's) printed as one."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    out = subprocess.run([sys.executable, "-c", QUIET], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "True 1 False cpu", "RuntimeError: Error downloading x.gz: Tried https://a/, got: <urlopen error> Tried http://b/"]

@@ -14,8 +14,10 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -82,20 +84,20 @@ def outside_any_launcher(monkeypatch):
 
 
 def test_how_to_stop_names_this_process_outside_a_launcher(outside_any_launcher):
-    assert how_to_stop(True) == f"stop with a checkpoint: kill -TERM {os.getpid()}"
-    assert how_to_stop(False) == (f"kill -TERM {os.getpid()} stops it without a checkpoint (no --checkpoint-dir: its "
-                                  "progress is lost)")
+    assert how_to_stop("ckpt") == f"stop with a checkpoint: kill -TERM {os.getpid()}"
+    assert how_to_stop(None) == (f"kill -TERM {os.getpid()} stops it without a checkpoint (no --checkpoint-dir: its "
+                                 "progress is lost)")
 
 
 def test_how_to_stop_under_slurm_names_the_job(outside_any_launcher):
     outside_any_launcher.setenv("SLURM_JOB_ID", "4242")
     outside_any_launcher.setenv("TORCHELASTIC_RUN_ID", "none")  # per-node mode: torchrun inside the job
-    assert how_to_stop(True) == "stop with a checkpoint: scancel --signal=TERM --full 4242"
+    assert how_to_stop("ckpt") == "stop with a checkpoint: scancel --signal=TERM --full 4242"
     # The templates (launch/*.sbatch) set the marker, and requeue the job once it stopped with a checkpoint.
     outside_any_launcher.setenv("RECIPE_STOP_MARKER", "/shared/.slurm-recipe-4242.abc/stopped")
-    assert how_to_stop(True) == ("stop with a checkpoint: scancel --signal=TERM --full 4242, then the job requeues "
-                                 "itself")
-    assert how_to_stop(False).startswith("scancel --signal=TERM --full 4242 stops it without a checkpoint")
+    assert how_to_stop("ckpt") == ("stop with a checkpoint: scancel --signal=TERM --full 4242, then the job requeues "
+                                   "itself")
+    assert how_to_stop(None).startswith("scancel --signal=TERM --full 4242 stops it without a checkpoint")
 
 
 CHILD = """
@@ -103,19 +105,103 @@ import sys
 sys.path.insert(0, "recipes")
 from runkit.stopping import die_with_launcher, how_to_stop
 die_with_launcher()
-print(how_to_stop(True), flush=True)
+print(how_to_stop("my ckpt"), flush=True)
+print(how_to_stop(None), flush=True)
 print("trained on", flush=True)
 """
 
 
-def test_how_to_stop_under_torchrun_names_the_launcher(outside_any_launcher):
-    """A worker of an elastic agent (TORCHELASTIC_RUN_ID): the pid to signal is its launcher's, the process that
-    runs torch and started it (here this test's process plays the agent), not the worker's own."""
+def test_how_to_stop_under_a_launcher_names_the_stop_command(outside_any_launcher):
+    """A worker of an elastic agent (TORCHELASTIC_RUN_ID; here this test's process plays the agent), whose launcher
+    reports its exit code 75 as 1: the first line names the stop command, which exits 75 itself; without a checkpoint,
+    SIGTERM to this worker (a signal to the launcher would make torchrun raise its SignalException)."""
     env = dict(os.environ, TORCHELASTIC_RUN_ID="test", RANK="1")
     out = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == [f"stop with a checkpoint: kill -TERM {os.getpid()}", "trained on"]
+    first, without, trained = out.stdout.splitlines()
+    assert first == "stop with a checkpoint: python3 recipes/runkit/stopping.py 'my ckpt'"
+    pid = int(re.match(r"kill -TERM (\d+) stops it without a checkpoint", without).group(1))
+    assert pid != os.getpid() and trained == "trained on"  # the worker's own pid, not the launcher's
+
+
+# A run as stopping.py's command sees one: its command line names --checkpoint-dir, it holds the directory's lock, and
+# on SIGTERM it saves a checkpoint marked as the stop's and exits 75 (FAKE_STOP=crash: it dies without saving).
+FAKE_RUN = """
+import json, os, signal, socket, sys, time
+directory = sys.argv[sys.argv.index("--checkpoint-dir") + 1]
+lock = os.path.join(directory, ".lock")
+def stop(signum, frame):
+    if os.environ.get("FAKE_STOP") == "crash":
+        os._exit(1)
+    os.makedirs(os.path.join(directory, "step-00000007"))
+    with open(os.path.join(directory, "step-00000007", "checkpoint.json"), "w") as f:
+        json.dump({"step": 7, "train_state": {"step": 7, "stopped": True, "output_dir": "out"}}, f)
+    os.unlink(lock)
+    sys.exit(75)
+signal.signal(signal.SIGTERM, stop)
+with open(lock, "w") as f:
+    json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job": None}, f)
+print("holding", directory, flush=True)
+time.sleep(120)
+"""
+
+
+def stop_command(directory):
+    return subprocess.run([sys.executable, "recipes/runkit/stopping.py", str(directory)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def fake_run(directory, crash=False):
+    directory.mkdir()
+    env = dict(os.environ, FAKE_STOP="crash" if crash else "")
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_RUN, "--checkpoint-dir", str(directory)], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("holding"), "the fake run did not start"
+    return proc
+
+
+def test_stop_command_stops_the_run_holding_the_directory_and_exits_75(tmp_path):
+    run = fake_run(tmp_path / "ckpt")
+    out = stop_command(tmp_path / "ckpt")
+    assert run.wait(timeout=60) == 75
+    assert out.returncode == 75, out.stderr
+    assert out.stdout.splitlines() == [
+        f"stopping the run on {tmp_path / 'ckpt'} (pid {run.pid}): it finishes its step, saves a checkpoint and exits",
+        f"stopped after step 7: checkpoint {tmp_path / 'ckpt' / 'step-00000007'}; run the training command again to "
+        f"resume (exit code 75)"]
+
+
+def test_stop_command_says_when_the_run_ended_without_saving(tmp_path):
+    run = fake_run(tmp_path / "ckpt", crash=True)
+    out = stop_command(tmp_path / "ckpt")
+    assert run.wait(timeout=60) == 1 and out.returncode == 1
+    assert f"error: pid {run.pid} ended without saving a checkpoint for the stop" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("lock", ["none", "not a run on it", "another host", "a Slurm job"])
+def test_stop_command_signals_no_process_but_a_run_on_the_directory(tmp_path, lock):
+    """The lock is a file on shared storage: untrusted. A pid it names is signalled only if that process is a run on
+    this directory of this host; otherwise one line says why, exit 2, and the process named lives on."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    bystander = subprocess.Popen(["sleep", "120"])
+    try:
+        fields = {"host": socket.gethostname(), "pid": bystander.pid, "job": None}
+        fields.update({"another host": {"host": "elsewhere"}, "a Slurm job": {"job": "4242"}}.get(lock, {}))
+        if lock != "none":
+            (directory / ".lock").write_text(json.dumps(fields))
+        out = stop_command(directory)
+        assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+        said = {"none": f"no run holds {directory}",
+                "not a run on it": f"names pid {bystander.pid}, which is no run on",
+                "another host": f"runs on elsewhere (pid {bystander.pid}): run this command there",
+                "a Slurm job": "is Slurm job 4242: stop it with scancel --signal=TERM --full 4242"}[lock]
+        assert out.stderr.startswith("stopping.py: error: ") and said in out.stderr, out.stderr
+        assert bystander.poll() is None  # not signalled
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def alive(pid):
@@ -316,20 +402,26 @@ def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, lau
 
 
 @pytest.mark.slow
-def test_first_line_names_the_launcher_and_its_stop_works(start, tmp_path):
-    """Under accelerate launch the pid a user sees is the launcher's (SIGUSR1 would kill it: exit 138, no
-    checkpoint, a stale lock). The run's first line names that pid with SIGTERM, which the launcher passes on
-    to its workers: doing what it says stops every rank after the same step, with a checkpoint and the lock
-    released."""
+def test_first_line_names_a_stop_command_that_exits_75(start, tmp_path):
+    """Under accelerate launch (2 processes) the first line names stopping.py's command: run as it says, it stops
+    every rank after the same step with a checkpoint, exits 75 once the run has saved and ended, and the lock is
+    released. No SignalException (the launcher is not signalled), and the run's own stop line says that accelerate
+    launch reports the stop as 1, which it does; torchrun's report gives that line as the root cause."""
     ckpt = tmp_path / "ckpt"
     run = start("2gpu.yaml", "--epochs", "50", "--log-every", "1", "--checkpoint-dir", str(ckpt))
     run.wait_until(lambda: "stop with a checkpoint: " in run.output and run.steps_logged() >= 2, "step 2")
-    said = re.search(r"stop with a checkpoint: kill -TERM (\d+)", run.output)
-    assert said and int(said.group(1)) == run.proc.pid, run.output[-3000:]  # the launcher, not a worker
-    os.kill(run.proc.pid, signal.SIGTERM)
-    assert run.stops_within() == 1  # torchrun reports the workers' 75 as 1
-    assert re.search(r"stopped by SIGTERM after step \d+: checkpoint saved in", run.output), run.output[-3000:]
-    assert run.left == [] and any(p.name.startswith("step-") for p in ckpt.iterdir())
+    said = re.search(r"stop with a checkpoint: (python3 recipes/runkit/stopping.py \S+)$", run.output, re.M)
+    assert said, run.output[-3000:]
+    command = subprocess.run(shlex.split(said.group(1)), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert command.returncode == 75, (command.stdout, command.stderr)
+    stopped_at = int(re.search(r"^stopped after step (\d+): checkpoint \S+/step-\d+; run the training command again",
+                               command.stdout, re.M).group(1))
+    assert run.stops_within() == 1  # accelerate launch: torchrun reports the workers' 75 as 1, as the line says
+    line = (f"stopped by SIGTERM after step {stopped_at}: checkpoint saved in {ckpt}, run the same command again to "
+            f"resume (exit code 75; accelerate launch reports it as 1)")
+    assert line in run.output.splitlines() and f"traceback : {line}" in run.output, run.output[-3000:]
+    assert "SignalException" not in run.output and "got signal" not in run.output
+    assert run.left == [] and (ckpt / f"step-{stopped_at:08d}" / "checkpoint.json").exists()
     assert not (ckpt / ".lock").exists()
 
 

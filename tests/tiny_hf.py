@@ -2,6 +2,7 @@
 recipes/finetune_lm.py on machines that cannot download a model.
 
     python tests/tiny_hf.py DIR     # DIR/model (Llama, save_pretrained + tokenizer), DIR/*.jsonl, DIR/text.txt
+    python tests/tiny_hf.py --help  # what it writes; DIR defaults to ./tiny_hf
 
 The model is a Llama of 2 layers and width 32 with random weights, saved with save_pretrained
 (config.json, model.safetensors). Its tokenizer is a byte-level BPE trained here on the text,
@@ -12,11 +13,11 @@ conversations of the same questions (a `messages` column); uneven.jsonl pairs wh
 from 1 to 30 words. with_chat_template() copies the model with another chat template, or none.
 """
 
+import argparse
 import itertools
 import json
 import random
 import shutil
-import sys
 from pathlib import Path
 
 # Role headers, then each assistant turn's content and its end-of-turn token (</s>) inside the generation
@@ -133,5 +134,16 @@ def write_all(root, with_pad=True):
     return root
 
 
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Write a tiny Hugging Face Llama (random weights, a byte-level BPE tokenizer with a chat template) "
+        "and its data (pairs.jsonl, chat.jsonl, uneven.jsonl, text.txt) into DIR, for recipes/finetune_lm.py on a "
+        "machine that cannot download a model.", allow_abbrev=False,
+        epilog="Then: python recipes/finetune_lm.py --model DIR/model --data-files DIR/chat.jsonl")
+    p.add_argument("dir", nargs="?", default="tiny_hf", metavar="DIR",
+                   help="the directory to write (default: %(default)s)")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
-    print(write_all(sys.argv[1] if len(sys.argv) > 1 else "tiny_hf"))
+    print(write_all(parse_args().dir))

@@ -8,10 +8,13 @@ Owns:
   * BatchNorm buffers cast to the half precision DeepSpeed and FSDP compute in;
   * the exported weights: gathered from the shards, DeepSpeed's fp32 masters rather than its half-precision
     copies, in fp32 under the model's own names (uncompiled_name), from every engine alike;
-  * torch's deprecation warning for the two collectives DeepSpeed calls at every step, silenced.
+  * torch's deprecation warning for the two collectives DeepSpeed calls at every step, silenced, and DeepSpeed told
+    that it runs on the CPU where there is no GPU (no "Setting accelerator to CPU" warning from every process).
 """
 
 import dataclasses
+import os
+import sys
 import warnings
 
 import torch
@@ -29,6 +32,15 @@ DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_s
 def quiet_deprecated_collectives():
     """Ignore torch's deprecation warning for DeepSpeed's two per-step collectives, in this process."""
     warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVES, category=FutureWarning)
+
+
+def name_the_cpu_for_deepspeed():
+    """Before DeepSpeed is imported (accelerate imports it in unwrap_model wherever it is installed, under DDP too):
+    without a GPU, DS_ACCELERATOR=cpu, what DeepSpeed would find anyway after warning "Setting accelerator to CPU. If
+    you have GPU or other accelerator, we were unable to detect it." from every process. The run's first line names
+    the device instead."""
+    if "deepspeed" not in sys.modules and "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def deepspeed_config(accelerator):

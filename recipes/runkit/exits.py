@@ -2,6 +2,7 @@
 
 Owns:
   * fail: one clear line from the main process and the same non-zero exit on every rank;
+  * one_line: a message that must stay one line (an exception's text runs over several: urllib's, torchvision's);
   * main_print: print() on the main process only;
   * report: the line on stderr and in torch elastic's error file, so the launcher's summary ends with it;
   * teardown: the end of every run: the process group destroyed and, in a run of several processes, the
@@ -40,11 +41,18 @@ def fail(accelerator, message, code=2, everyone=False):
     sys.exit(teardown(accelerator, code))
 
 
-def report(message, main):
-    """Write `error: message` to stderr (main process) and to this worker's torch elastic error file."""
-    line = f"error: {message}"
+def one_line(text, limit=400):
+    """`text` as one line: its lines joined, at most `limit` characters."""
+    joined = " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+    return joined if len(joined) <= limit else joined[:limit - 3] + "..."
+
+
+def report(message, main, prefix="error: ", stream=None):
+    """Write `error: message` (or `prefix` + message) to stderr (or `stream`; main process) and to this worker's torch
+    elastic error file, whose line torchrun's failure report shows as the root cause."""
+    line = f"{prefix}{one_line(message, limit=2000)}"
     if main:
-        print(line, file=sys.stderr, flush=True)
+        print(line, file=stream or sys.stderr, flush=True)
     reply = os.environ.get("TORCHELASTIC_ERROR_FILE")  # one per worker, set by the launcher
     if reply:
         try:

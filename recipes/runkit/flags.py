@@ -1,12 +1,16 @@
 """The flags of the run services, with their help: the ones Run reads from a recipe's parsed namespace.
 
 Owns RUN_FLAGS and add_run_args(): the output directory and the progress lines, the checkpoint and stop flags
-(one group in --help: docs/checkpoints.md), and the reporting flags. Which of them a resumed run may change is
+(one group in --help: docs/checkpoints.md), and the reporting flags; and how a recipe's parser reports a wrong
+flag: one line, once (one_line_errors). Which of them a resumed run may change is
 resume_rules.py's (MAY_CHANGE); what each does is the module's that acts on it.
 """
 
 import argparse
+import os
+import sys
 
+from .exits import report
 from .stopping import EXIT_STOPPED
 
 # Every flag Run reads from the recipe's namespace; add_run_args() adds each of them.
@@ -25,9 +29,23 @@ def whole_number(text):
     return value
 
 
+def one_line_errors(parser):
+    """A wrong flag as one line, `RECIPE.py: error: ... (python3 RECIPE.py --help lists the flags)`, and exit 2:
+    argparse's usage block (a screen of flags) left to --help, and printed by the main process only, where every
+    process of a launch parses the same flags. Under accelerate launch the line is also the root cause in torchrun's
+    failure report (exits.report)."""
+    def error(message):
+        report(f"{message} (python3 {sys.argv[0]} --help lists the flags)", os.environ.get("RANK", "0") == "0",
+               prefix=f"{parser.prog}: error: ")
+        sys.exit(2)
+    parser.error = error
+
+
 def add_run_args(parser, name, log_every):
-    """The flags of the run services (RUN_FLAGS): output, progress lines, checkpoints, stopping, reporting.
-    name: the recipe's, for the default output directory; log_every: its default progress cadence."""
+    """The flags of the run services (RUN_FLAGS): output, progress lines, checkpoints, stopping, reporting; and
+    the parser's errors as one line (one_line_errors). name: the recipe's, for the default output directory;
+    log_every: its default progress cadence."""
+    one_line_errors(parser)
     parser.add_argument("--output-dir", default=None,
                         help=f"summary.json, metrics.jsonl and the model; default runs/{name}/<how it runs>, e.g. "
                              f"runs/{name}/ddp-2proc-bf16, so each config keeps its own results")

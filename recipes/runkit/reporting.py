@@ -1,16 +1,32 @@
 """What a run reports: progress logs, trackers, traces, curves, memory and the summary.
 
-Owns metrics.jsonl and eval.jsonl (MetricsLog), --report-to (accelerate's TensorBoard tracker and
-curves.png), --profile (a torch.profiler trace per rank), the peak memory and the parameters each
-rank holds (footprint), and summary.json with its SUMMARY line (write_summary). The fields are
-defined in docs/measuring.md.
+Owns metrics.jsonl and eval.jsonl (MetricsLog), the libraries' progress bars kept out of log files,
+--report-to (accelerate's TensorBoard tracker and curves.png), --profile (a torch.profiler trace per rank),
+the peak memory and the parameters each rank holds (footprint), and summary.json with its SUMMARY line
+(write_summary: the file complete, the line the figures a person reads). The fields are defined in
+docs/measuring.md.
 """
 
 import json
 import os
 import resource
+import sys
 
 import torch
+
+
+def quiet_progress_bars():
+    """Progress bars only on a terminal, as the run's own: in a log file (stderr redirected, a Slurm job) the bars
+    of datasets (a split, map), transformers (loading and writing weights) and the Hub leave runs of carriage
+    returns. Environment variables for the libraries not imported yet, their switches for those that are."""
+    if sys.stderr.isatty():
+        return
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for module, switch in (("datasets", "disable_progress_bars"), ("huggingface_hub.utils", "disable_progress_bars"),
+                           ("transformers.utils.logging", "disable_progress_bar")):
+        if module in sys.modules:
+            getattr(sys.modules[module], switch)()
 
 
 def start_tracking(accelerator, args):
@@ -139,6 +155,16 @@ def held_parameters(model):
     return elements, checksum
 
 
+def compiled_graphs():
+    """How many graphs torch.compile compiled in this process (dynamo's counter): 0 for an eager run, 1 where only
+    the training step was compiled."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def footprint(accelerator, model):
     """Collective: peak memory and the parameters every rank holds, for the summary."""
     world, cuda = accelerator.num_processes, accelerator.device.type == "cuda"
@@ -174,8 +200,36 @@ def fsdp_units(model):
     return units or None
 
 
-def write_summary(output_dir, summary):
-    """Main process: summary.json, and the same as one SUMMARY line that scripts can grep."""
+# The SUMMARY line's fields, when present and not null: who ran, how far, the losses, then the recipe's figures
+# (write_summary's `shown`), memory and time. summary.json holds every field.
+SUMMARY_LINE = ("recipe", "distributed_type", "world_size", "mixed_precision", "deepspeed_stage", "steps",
+                "resumed_from_step", "first_loss", "final_loss")
+SUMMARY_LINE_END = ("peak_memory_mb", "wall_time_s")
+
+
+def rounded(value, digits=4):
+    """Floats (inside lists and dicts too) to `digits` significant digits, for a line a person reads."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, (list, tuple)):
+        return [rounded(v, digits) for v in value]
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    return value
+
+
+def summary_line(summary, shown=None):
+    """The SUMMARY line: JSON a script can parse, short enough to read. With `shown` (a training run's own figures):
+    the SUMMARY_LINE fields, those, then SUMMARY_LINE_END, floats to 4 digits. Without it (pi.py, data_sharding.py,
+    whose few fields are the result, pi to every digit): every field but args, as is."""
+    if shown is None:
+        return "SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "args"})
+    keys = dict.fromkeys([*SUMMARY_LINE, *shown, *SUMMARY_LINE_END])
+    return "SUMMARY " + json.dumps({k: rounded(summary[k]) for k in keys if summary.get(k) is not None})
+
+
+def write_summary(output_dir, summary, shown=None):
+    """Main process: summary.json, complete, and the SUMMARY line (summary_line) that scripts can grep."""
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    print("SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "args"}), flush=True)
+    print(summary_line(summary, shown), flush=True)

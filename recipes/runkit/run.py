@@ -46,6 +46,7 @@ from .engines import (
     exported_weights,
     fsdp_reduce_in_fp32,
     gradient_sync,
+    name_the_cpu_for_deepspeed,
     quiet_deprecated_collectives,
     run_label,
 )
@@ -62,9 +63,11 @@ from .refusals import (
 from .reporting import (
     MetricsLog,
     StepProfiler,
+    compiled_graphs,
     footprint,
     peaks_at_start,
     plot_curves,
+    quiet_progress_bars,
     start_tracking,
     write_summary,
 )
@@ -105,6 +108,8 @@ class Run:
         self.t_start = time.perf_counter()
         die_with_launcher()
         check_gpus_before_start()
+        name_the_cpu_for_deepspeed()
+        quiet_progress_bars()
         self.stopper, self.stopping = GracefulStop(args.stop_signals), False
         self.model_init = BUILT_WHOLE
 
@@ -178,13 +183,7 @@ class Run:
         chosen = self.checkpointer.choose(args.resume)
         if chosen and chosen[1]["train_state"]["step"] >= total_steps:
             self._already_complete(*chosen)
-        e, world = self.engine_facts, acc.num_processes
-        per_process = self.batch_size // self.grad_accum // world
-        self.print(f"{e['distributed_type']} | {world} processes | mixed precision {e['mixed_precision']} | ZeRO "
-                   f"stage {e['deepspeed_stage'] or '-'} | optimizer {optimizer_name(optimizer)} "
-                   f"({implementation(optimizer)}) | global batch {self.batch_size} ({self.grad_accum} x "
-                   f"{per_process} per process) | {describe + ' | ' if describe else ''}{total_steps} steps | "
-                   f"{how_to_stop(bool(args.checkpoint_dir))}")
+        self.print(self._first_line(optimizer, describe))
         self.state = {"epoch": 0, "step_in_epoch": 0, "step": 0, "epochs_run": 0, "first_loss": None,
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
         if chosen:
@@ -203,6 +202,18 @@ class Run:
         self.bar = tqdm(total=total_steps, initial=self.state["step"],
                         disable=not (acc.is_main_process and sys.stdout.isatty()))
         self.train_start = time.perf_counter()
+        self.trained_at = None  # when the last step ended: what follows it is timed by part (end_of_run)
+        self.end_of_run = {"evaluation_s": 0.0, "checkpoint_s": 0.0}
+
+    def _first_line(self, optimizer, describe):
+        """What runs, on what, how far, and the command that stops it."""
+        acc, e, world = self.accelerator, self.engine_facts, self.accelerator.num_processes
+        per_process = self.batch_size // self.grad_accum // world
+        return (f"{e['distributed_type']} | {world} processes on {acc.device.type} | mixed precision "
+                f"{e['mixed_precision']} | ZeRO stage {e['deepspeed_stage'] or '-'} | optimizer "
+                f"{optimizer_name(optimizer)} ({implementation(optimizer)}) | global batch {self.batch_size} "
+                f"({self.grad_accum} x {per_process} per process) | {describe + ' | ' if describe else ''}"
+                f"{self.total_steps} steps | {how_to_stop(self.args.checkpoint_dir)}")
 
     def _already_complete(self, path, manifest):
         """The same command again after the run finished: say where its results are, change nothing, exit 0."""
@@ -258,6 +269,8 @@ class Run:
         s["step"] += 1
         s["step_in_epoch"] += 1
         step = s["step"]
+        if step >= self.total_steps:
+            self._training_done()
         self.bar.update(1)
         self.profiler.step()
         logged = step % args.log_every == 0 or step in (1, self.total_steps)
@@ -337,9 +350,26 @@ class Run:
     def _mfu(self, units_per_s):
         return self.flops_per_unit * units_per_s / (self.peak_tflops * 1e12 * self.accelerator.num_processes)
 
+    def _training_done(self):
+        """The last step has ended. From here on a compiled model runs eagerly (the final evaluation, the recipe's
+        own use of the model after its loop, the export): one graph, the training one, is all a run compiles."""
+        self.trained_at = time.perf_counter()
+        if hasattr(torch.compiler, "set_stance"):
+            torch.compiler.set_stance("force_eager")
+
+    def _after_training(self, part, started):
+        """Add the time since `started` to an end_of_run part, when the last step has ended."""
+        if self.trained_at is not None:
+            self.end_of_run[part] += time.perf_counter() - started
+
     def _evaluate(self, when):
-        """Collective: run the recipe's evaluate(), log it to eval.jsonl and print one line."""
-        result = self.evaluate_fn()
+        """Collective: run the recipe's evaluate(), log it to eval.jsonl and print one line. A compiled model is
+        evaluated eagerly: a second graph (no_grad, eval mode, the evaluation's batch shapes) would cost more to
+        compile than the evaluation saves (docs/measuring.md, "The end of a run")."""
+        started = time.perf_counter()
+        with eager_if_compiled():
+            result = self.evaluate_fn()
+        self._after_training("evaluation_s", started)
         s = self.state
         s["last_eval"] = {"step": s["step"], **result}
         self.evals.write({"step": s["step"], "epoch": s["epoch"], **result, "train_time_s": self._train_time()})
@@ -348,62 +378,94 @@ class Run:
         return result
 
     def _save(self):
+        started = time.perf_counter()
         s = self.state
         s["window"] = self.timer.window_state()  # collective
-        self.checkpointer.save(s["step"], {**s, "train_time": self._train_time(), "output_dir": self.output_dir})
+        # "stopped": a checkpoint saved for a stop (stopping.py's command reads it).
+        self.checkpointer.save(s["step"], {**s, "train_time": self._train_time(), "output_dir": self.output_dir,
+                                           "stopped": self.stopping})
+        self._after_training("checkpoint_s", started)
 
     # ---- the end ----------------------------------------------------------------------------------
     def finish(self, model, exclude=(), export=None, **summary):
         """Collective. After a stop: the message and exit code 75 (1 without checkpoints). Otherwise
         model.safetensors (ZeRO-3 and FSDP shards gathered; or export(weights) on the main process, returning
         its path), summary.json with the SUMMARY line, and where every result went. Returns the exit code (a run
-        of several processes ends in it with that code: exits.teardown)."""
-        acc, args, s = self.accelerator, self.args, self.state
-        train_time = self._train_time()
+        of several processes ends in it with that code: exits.teardown). What the run spends after its last step
+        goes into the summary by part (end_of_run)."""
+        acc, args = self.accelerator, self.args
+        train_time, finishing = self._train_time(), time.perf_counter()
         self.profiler.stop()
         self.bar.close()
         if self.stopping:
-            return teardown(acc, stopped(acc, self.stopper, s["step"], args.checkpoint_dir))
+            return teardown(acc, stopped(acc, self.stopper, self.state["step"], args.checkpoint_dir))
         self.stopper.ignore_from_now()
+        if self.trained_at is None:  # no step left to train (--epochs 0): the end starts here
+            self._training_done()
+        end = self.end_of_run
+        end["recipe_s"] = max(finishing - self.trained_at - end["evaluation_s"] - end["checkpoint_s"], 0.0)
         if self._evaluation_due("end"):
             self._evaluate("end")
+        started = time.perf_counter()
         weights = exported_weights(acc, model, exclude)  # collective: shards gathered, fp32, the model's own names
-        shards = footprint(acc, model)
-        timing = self.timer.timing(self.samples_per_micro, self.unit)
+        exported = None
         if acc.is_main_process:
-            out = self.output_dir
-            exported = export(weights) if export else os.path.join(out, "model.safetensors")
+            exported = export(weights) if export else os.path.join(self.output_dir, "model.safetensors")
             if not export:
                 save_file(weights, exported)
-            this_run = s["step"] - (self.resumed_from or 0)
-            rate = this_run * self.samples_per_micro * self.grad_accum / max(train_time - self._resumed_time, 1e-9)
-            t = self.timer
-            self.metrics.close()
-            if self.evals:
-                self.evals.close()
-            if args.report_to != "none":
-                self.print(f"curves: {plot_curves(out, self.name)}")
-            evaluation = {k: v for k, v in (s["last_eval"] or {}).items() if k != "step"}
-            write_summary(out, {
-                "recipe": self.name, **self.engine_facts, "optimizer": optimizer_name(self.optimizer),
-                "optimizer_implementation": implementation(self.optimizer), "steps": s["step"],
-                "epochs": s["epochs_run"], "resumed_from_step": self.resumed_from,
-                "resumed_from_world_size": self.resumed_layout and self.resumed_layout["world_size"],
-                "resume_changes": self.checkpointer.reshaped, "first_loss": s["first_loss"],
-                "final_loss": s["final_loss"], **evaluation, f"{self.unit}_per_s": rate,
-                **({"mfu": self._mfu(rate) if self.peak_tflops else None} if self.flops_per_unit else {}),
-                "data_time_s": t.total_data, "compute_time_s": t.total_compute,
-                "data_fraction": t.total_data / max(t.total_data + t.total_compute, 1e-9), "exported_dtype": "float32",
-                "param_elements": sum(v.numel() for k, v in weights.items()
-                                      if v.is_floating_point() and "running" not in k),
-                **shards, "model_init": self.model_init, **self.peaks_at_start,
-                "checkpoints": self.checkpointer.times, "timing": timing, **summary,
-                "wall_time_s": time.perf_counter() - self.t_start, "args": vars(args)})
-            results = [os.path.join(out, name) for name in ("summary.json", "metrics.jsonl", "eval.jsonl")
-                       if os.path.exists(os.path.join(out, name))]
-            self.print("results: " + ", ".join(results + [exported]))
+        end["export_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        shards = footprint(acc, model)  # collective
+        timing = self.timer.timing(self.samples_per_micro, self.unit)
+        if acc.is_main_process:
+            self._write_results(weights, exported, train_time, (shards, timing, summary), started)
         self.checkpointer.release()
         return teardown(acc, 0)
+
+    def _write_results(self, weights, exported, train_time, fields, started):
+        """Main process: close the logs, draw the curves, write summary.json with its SUMMARY line, name the files.
+        fields: (the memory footprint, the steady-state timing, the recipe's extra fields)."""
+        args, s, out, t = self.args, self.state, self.output_dir, self.timer
+        shards, timing, summary = fields
+        this_run = s["step"] - (self.resumed_from or 0)
+        rate = this_run * self.samples_per_micro * self.grad_accum / max(train_time - self._resumed_time, 1e-9)
+        self.metrics.close()
+        if self.evals:
+            self.evals.close()
+        if args.report_to != "none":
+            self.print(f"curves: {plot_curves(out, self.name)}")
+        evaluation = {k: v for k, v in (s["last_eval"] or {}).items() if k != "step"}
+        end = {**self.end_of_run, "report_s": time.perf_counter() - started}
+        end["total_s"] = time.perf_counter() - self.trained_at
+        # The line shows the recipe's own figures among its extra fields (linear_regression's m and n), not its texts.
+        numbers = [k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        extra = {**shards, "timing": timing, **summary, "checkpoints": self.checkpointer.times}
+        write_summary(out, {
+            "recipe": self.name, **self.engine_facts, "optimizer": optimizer_name(self.optimizer),
+            "optimizer_implementation": implementation(self.optimizer), "steps": s["step"],
+            "epochs": s["epochs_run"], "resumed_from_step": self.resumed_from,
+            "resumed_from_world_size": self.resumed_layout and self.resumed_layout["world_size"],
+            "resume_changes": self.checkpointer.reshaped, "first_loss": s["first_loss"],
+            "final_loss": s["final_loss"], **evaluation, f"{self.unit}_per_s": rate,
+            **({"mfu": self._mfu(rate) if self.peak_tflops else None} if self.flops_per_unit else {}),
+            "data_time_s": t.total_data, "compute_time_s": t.total_compute,
+            "data_fraction": t.total_data / max(t.total_data + t.total_compute, 1e-9), "exported_dtype": "float32",
+            "param_elements": sum(v.numel() for k, v in weights.items()
+                                  if v.is_floating_point() and "running" not in k),
+            "model_init": self.model_init, **self.peaks_at_start, **extra, "end_of_run": end,
+            "compiled_graphs": compiled_graphs(),
+            "wall_time_s": time.perf_counter() - self.t_start, "args": vars(args)},
+            shown=[*evaluation, f"{self.unit}_per_s", "mfu", *numbers])
+        results = [os.path.join(out, name) for name in ("summary.json", "metrics.jsonl", "eval.jsonl")
+                   if os.path.exists(os.path.join(out, name))]
+        self.print("results: " + ", ".join(results + [exported]))
+
+
+def eager_if_compiled():
+    """A context in which a torch.compile'd model runs its original eager code (torch >= 2.6; a no-op before)."""
+    if hasattr(torch.compiler, "set_stance"):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
 
 
 def _shown(key, value):
