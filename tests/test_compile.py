@@ -73,7 +73,8 @@ def test_gpt_compiled_trains_like_eager(shelf, config):
 @pytest.mark.parametrize("config", list(EAGER))
 def test_mnist_compiled(launch, config):
     """The MNIST recipe under each compiled config (1gpu_compile.yaml: full graph, a break would be an error):
-    trains, compiles training once and evaluates eagerly (no second graph), and exports weights the plain ConvNet loads."""
+    trains, compiles training once and evaluates eagerly (no second graph), and exports weights the plain
+    ConvNet loads."""
     run = launch(config, "--epochs", "1", "--max-steps", "8", "--log-every", "1",
                  launch_args=("--mixed_precision", "no"), env=LOGS)
     s = run.summary
