@@ -18,7 +18,6 @@ from image_folder import write_image_folder
 from launching import (
     FP32,
     LORA,
-    LORA_PRECISION,
     REPO,
     TEST_SIZE,
     TRAIN_SIZE,
@@ -27,6 +26,7 @@ from launching import (
     LaunchResult,
     finetune_args,
     launch_command,
+    lora_launch_args,
     recipe_args,
     run_command,
     write_corpus,
@@ -160,5 +160,5 @@ def lora(finetune, hf):
     def _lora(config, checkpoint_dir=None):
         ckpt = checkpoint_dir or hf / f"ckpt-lora-{config}"
         return finetune(config, *LORA, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--keep-last", "0",
-                        launch_args=("--mixed_precision", LORA_PRECISION[config]))
+                        launch_args=lora_launch_args(config, hf))
     return _lora

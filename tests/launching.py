@@ -176,6 +176,18 @@ LORA = ("--lora-r", "4", "--merge-lora")
 LORA_PRECISION = {"2gpu.yaml": "no", "fsdp.yaml": "bf16", "deepspeed_zero3.yaml": "no"}  # FSDP2: a bf16 frozen base
 
 
+def lora_launch_args(config, out_dir):
+    """The launch arguments of the tests' LoRA runs: the precision each engine runs LoRA in; under ZeRO-3 a copy of
+    the config's JSON in it with stage3_param_persistence_threshold 0, so that the adapters are partitioned like a
+    real model's larger ones. DeepSpeed keeps a parameter below 1e5 elements whole on every rank, and every adapter
+    of the tiny model is below it: an export that read the main process's own parameters passed (issue 36)."""
+    if config != "deepspeed_zero3.yaml":
+        return ("--mixed_precision", LORA_PRECISION[config])
+    copy = deepspeed_json_in(config, LORA_PRECISION[config], out_dir,
+                             {"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    return ("--deepspeed_config_file", str(copy))
+
+
 def finetune_args(hf, model="model", data="uneven.jsonl"):
     """finetune_lm.py's arguments for the tests: the tiny model (or a copy of it) in `hf` and one of its data files."""
     return ["--model", str(hf / model), "--data-files", str(hf / data), "--block-size", str(FINETUNE_BLOCK),

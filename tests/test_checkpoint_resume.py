@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -157,6 +158,23 @@ def test_fsdp_resumes_on_another_world_size_and_grad_accum(shelf, shelf_data, tm
     # The checkpoint the 1-process run wrote records how it split the batch, for the next resume.
     layout = json.loads((tmp_path / "one" / "step-00000008" / "checkpoint.json").read_text())["layout"]
     assert layout == {"family": "fsdp", "zero_stage": None, "world_size": 1, "grad_accum": 2}
+    # The new rank took rank 0's RNG state (resharding.rng_for_new_rank): with dropout 0 the RNG never reaches the
+    # loss, but it advances every step (the state at step 12 is not step 8's), so the two ranks' states at step 12
+    # are equal only if rank 1 started from rank 0's, not from its own seed.
+    states = [rng_state(tmp_path / "two" / "step-00000012", rank) for rank in (0, 1)]
+    assert not torch.equal(states[0]["torch_manual_seed"],
+                           rng_state(tmp_path / "one" / "step-00000008", 0)["torch_manual_seed"])
+    assert torch.equal(states[0]["torch_manual_seed"], states[1]["torch_manual_seed"])
+    assert states[0]["random_state"] == states[1]["random_state"]
+    assert all(np.array_equal(a, b) for a, b in zip(states[0]["numpy_random_seed"], states[1]["numpy_random_seed"]))
+
+
+def rng_state(checkpoint, rank):
+    """accelerate's RNG state of one rank in a checkpoint, read as the resume reads it (weights only)."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    from runkit.safe_loading import weights_only_loading
+    with weights_only_loading():
+        return torch.load(checkpoint / f"random_states_{rank}.pkl")
 
 
 UNIVERSAL = ("DeepSpeed's universal checkpoint (ds_to_universal, converted once into the checkpoint's universal/ "

@@ -7,11 +7,14 @@ truncated or flipped file refused) are in test_checkpoint_resume.py; the attacks
 --checkpoint-dir, in test_hostile_checkpoint_dir.py.
 """
 
+import hashlib
 import io
 import json
 import os
 import pickle
+import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +23,7 @@ import torch
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit import integrity  # noqa: E402
+from runkit import checkpoints, integrity, safe_loading  # noqa: E402
 
 
 class RunsCode:
@@ -42,7 +45,7 @@ def test_checkpoint_metadata_builds_only_its_own_classes(tmp_path):
 
     dcp.save({"w": torch.arange(6.0).view(2, 3), "step": 3}, checkpoint_id=str(tmp_path / "real"))
     with open(tmp_path / "real" / ".metadata", "rb") as f:  # a real one loads
-        assert "w" in integrity._safe_metadata_load(f).state_dict_metadata
+        assert "w" in safe_loading.safe_metadata_load(f).state_dict_metadata
     marker = tmp_path / "code-ran"
     attacks = [pickle.dumps(RunsCode(marker)),
                # a dotted name walks from an allowed module to what it imports
@@ -50,8 +53,8 @@ def test_checkpoint_metadata_builds_only_its_own_classes(tmp_path):
                stack_global("torch.distributed.checkpoint.filesystem", "pickle.loads"),
                stack_global("torch.distributed.checkpoint.filesystem", "FileSystemWriter")]
     for attack in attacks:
-        with pytest.raises(integrity.UnsafeCheckpointFile, match="refused .it asks for"):
-            integrity._safe_metadata_load(io.BytesIO(attack))
+        with pytest.raises(safe_loading.UnsafeCheckpointFile, match="refused .it asks for"):
+            safe_loading.safe_metadata_load(io.BytesIO(attack))
     assert not marker.exists()
 
 
@@ -64,8 +67,8 @@ def test_torch_files_load_weights_only(tmp_path):
     problem = integrity.check_loadable(tmp_path, ["optimizer.bin", "evil.pt"])
     assert problem.startswith("evil.pt: not loadable as weights only (it asks for posix.system"), problem
     assert not marker.exists()
-    with integrity.weights_only_loading():  # what DeepSpeed's own torch.load(weights_only=False) gets
-        with pytest.raises(integrity.UnsafeCheckpointFile):
+    with safe_loading.weights_only_loading():  # what DeepSpeed's own torch.load(weights_only=False) gets
+        with pytest.raises(safe_loading.UnsafeCheckpointFile):
             torch.load(tmp_path / "evil.pt", weights_only=False)
     assert not marker.exists() and torch.load is not None
 
@@ -105,7 +108,7 @@ def test_numpy_in_a_torch_file_must_be_plain_rng_state(tmp_path):
     # such a dtype however it was built, refuses it without printing it.
     evil = pickle.loads(pickle.dumps(_BadDtype(subarray=(np.dtype("O"), (2,)))))
     assert evil.type is np.uint32 and evil.subdtype is not None
-    assert integrity._numpy_problem("random_states_0.pkl", {"random_state": ("MT19937", evil)}) == (
+    assert safe_loading.numpy_problem("random_states_0.pkl", {"random_state": ("MT19937", evil)}) == (
         "random_states_0.pkl: refused (it holds a numpy dtype other than plain uint32/uint64)")
 
 
@@ -146,3 +149,154 @@ def test_manifest_parsing_never_raises_anything_but_valueerror(tmp_path):
     os.mkfifo(tmp_path / "checkpoint.json")
     with pytest.raises(ValueError, match="checkpoint.json is a FIFO"):
         integrity.read_manifest(str(tmp_path))
+
+
+LAYOUT = {"family": "full", "zero_stage": None, "world_size": 1, "grad_accum": 1}
+
+
+def manifest_with(**change):
+    """A well-formed manifest of one file, with `change` applied (layout keys as layout_KEY)."""
+    layout = {**LAYOUT, **{k[7:]: v for k, v in change.items() if k.startswith("layout_")}}
+    fields = {k: v for k, v in change.items() if not k.startswith("layout_")}
+    return {"step": 2, "layout": layout, "must_match": {}, "train_state": {}, "files": {}, **fields}
+
+
+def test_every_manifest_field_is_checked_for_type_and_range(tmp_path):
+    """Issue 36, M9 and the like: a field of another type or range is a ValueError saying which (a traceback)."""
+    cases = {"layout_grad_accum": ("2", "its layout's grad_accum '2' is not a number of micro-batches"),
+             "layout_world_size": (0, "its layout's world_size 0 is not a number of processes"),
+             "layout_family": ("megatron", "its layout names an engine this code does not write ('megatron')"),
+             "layout_zero_stage": (2, "its layout's zero_stage 2 is not one a full run writes"),
+             "step": (True, "checkpoint.json is not a manifest this code wrote"),
+             "files": ({"a": {"size": 1, "sha256": "0" * 64, "x": 1}}, "records no valid size and checksum for 'a'"),
+             "surprise": ({}, "checkpoint.json is not a manifest this code wrote")}
+    for key, (value, words) in cases.items():
+        (tmp_path / "checkpoint.json").write_text(json.dumps(manifest_with(**{key: value})))
+        with pytest.raises(ValueError, match=re.escape(words)):
+            integrity.read_manifest(str(tmp_path), contents=False)
+    (tmp_path / "checkpoint.json").write_text(json.dumps(manifest_with(recipe="mnist")))
+    assert integrity.read_manifest(str(tmp_path), contents=False)["recipe"] == "mnist"
+
+
+def test_train_state_fields_are_checked_for_type_and_range():
+    """Issue 36, M1 and M2: what Run writes, field by field (checkpoints.TRAIN_STATE)."""
+    state = {"step": 2, "epoch": 0, "step_in_epoch": 2, "epochs_run": 1, "first_loss": 2.5, "final_loss": None,
+             "last_eval": None, "train_time": 1.5, "output_dir": "out",
+             "window": {"loss_sums": [1.0, 2.0], "micro": 1, "data_time": 0.1, "compute_time": 0.2}}
+    layout = {**LAYOUT, "world_size": 2}
+    assert checkpoints._state_problem(manifest_with(train_state=state, layout=layout)) is None
+    cases = [({}, "its train_state lacks 'epoch'"), ({**state, "extra": 1}, "holds an unknown field 'extra'"),
+             ({**state, "step": "2"}, "its train_state's step '2' is not of the type"),
+             ({**state, "train_time": -1.0}, "its train_state's train_time -1.0 is not of the type"),
+             ({**state, "step": 3}, "its train_state's step 3 is not its step 2"),
+             ({**state, "window": {**state["window"], "loss_sums": [1.0]}}, "holds 1 loss sums for 2 processes"),
+             ({**state, "window": {**state["window"], "micro": None}}, "its train_state's micro None is not")]
+    for bad, words in cases:
+        assert words in checkpoints._state_problem(manifest_with(train_state=bad, layout=layout)), words
+
+
+def test_a_manifest_lists_exactly_the_files_of_its_engine():
+    """Issue 36, M4-M8: each engine's files per rank (accelerate's, DeepSpeed's, torch.distributed.checkpoint's,
+    runkit's own); none missing, none that no save writes."""
+    def table(*rels):
+        return {rel: {"size": 1, "sha256": "0" * 64} for rel in rels}
+
+    common = ["random_states_0.pkl", "random_states_1.pkl", "rank-0.done", "rank-1.done", "scheduler.bin"]
+    full = manifest_with(layout_world_size=2, files=table(*common, "model.safetensors", "optimizer.bin"))
+    assert integrity.files_problem(full) is None
+    assert "does not list random_states_1.pkl" in integrity.files_problem(
+        {**full, "files": table(*common[:1], *common[2:], "model.safetensors", "optimizer.bin")})
+    assert "lists custom.pkl, which no full save" in integrity.files_problem(
+        {**full, "files": {**full["files"], **table("custom.pkl")}})
+    assert "does not list optimizer_1.bin" in integrity.files_problem(full, optimizers=2)
+    assert integrity.files_problem({**full, "files": table(*common, "model.safetensors")}, optimizers=0) is None
+    zero3 = manifest_with(layout_family="deepspeed", layout_zero_stage=3, layout_world_size=2, files=table(
+        *common, "latest", "zero_to_fp32.py", *(f"pytorch_model/zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
+                                                 for r in (0, 1) for kind in ("model", "optim"))))
+    assert integrity.files_problem(zero3) is None
+    missing = {k: v for k, v in zero3["files"].items() if "rank_1_mp_rank_00_optim" not in k}
+    assert "does not list pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt" in integrity.files_problem(
+        {**zero3, "files": missing})
+    fsdp = manifest_with(layout_family="fsdp", layout_world_size=2, files=table(
+        *common, "rank-0.buffers.safetensors", "rank-1.buffers.safetensors",
+        *(f"{d}/{f}" for d in ("pytorch_model_fsdp_0", "optimizer_0") for f in (".metadata", "__0_0.distcp",
+                                                                               "__1_0.distcp"))))
+    assert integrity.files_problem(fsdp) is None
+    assert "does not list optimizer_0/__1_0.distcp" in integrity.files_problem(
+        {**fsdp, "files": {k: v for k, v in fsdp["files"].items() if k != "optimizer_0/__1_0.distcp"}})
+
+
+def test_a_held_checkpoint_reads_what_was_verified(tmp_path):
+    """Issue 36, R3: once held, a file replaced at its path (by a link to a file outside) is never read through the
+    view; replaced() names it. A link anywhere on the way is refused, never followed."""
+    root, secret = tmp_path / "step-00000001", tmp_path / "secret.bin"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.json").write_bytes(b"verified")
+    secret.write_bytes(b"outside!")
+    files = {"sub/a.json": {"size": 8, "sha256": hashlib.sha256(b"verified").hexdigest()}}
+    with integrity.HeldCheckpoint(str(root), files, follow=False) as held:
+        assert held.share_problems(0, 1) == (None, None)
+        (root / "sub" / "a.json").unlink()
+        os.symlink(secret, root / "sub" / "a.json")
+        assert (Path(held.view()) / "sub" / "a.json").read_bytes() == b"verified"
+        assert held.replaced() == ["sub/a.json"]
+        view = held.view()
+    assert not os.path.exists(view)  # the private view goes with the held files
+    os.rename(root / "sub", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", root / "sub")
+    with integrity.HeldCheckpoint(str(root), files) as held:
+        assert held.share_problems(0, 1)[0] == "sub/a.json: sub is not a directory a save writes (a link or a file)"
+
+
+def test_dcp_slices_are_bounded_like_torch_files(tmp_path):
+    """Issue 36, D1: a slice of a .distcp file stored compressed, or through a transform, is refused before loading,
+    like a torch file's compressed entries."""
+    import zipfile
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(6.0).view(2, 3)}, checkpoint_id=str(tmp_path))
+    rels = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.iterdir())
+    assert integrity.check_loadable(tmp_path, [".metadata"], {rel: {"size": None} for rel in rels}) is None
+    with open(tmp_path / ".metadata", "rb") as f:
+        metadata = safe_loading.safe_metadata_load(f)
+    (info,) = metadata.storage_data.values()
+    data = (tmp_path / info.relative_path).read_bytes()
+    with zipfile.ZipFile(io.BytesIO(data[info.offset:info.offset + info.length])) as plain:
+        entries = [(e.filename, plain.read(e)) for e in plain.infolist()]
+    packed = io.BytesIO()
+    with zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as deflated:
+        for name, content in entries:
+            deflated.writestr(name, content)
+    (tmp_path / info.relative_path).write_bytes(packed.getvalue())
+    info.offset, info.length = 0, len(packed.getvalue())
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
+    files = {rel: {"size": None} for rel in rels}
+    assert integrity.check_loadable(tmp_path, [".metadata"], files) == (
+        f"{info.relative_path}: refused (a slice at 0: its entries are compressed; torch.save never compresses, and "
+        f"they could inflate to far more memory than the file's size)")
+    info.transform_descriptors = ["zstd"]
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert "it asks for a transform of" in integrity.check_loadable(tmp_path, [".metadata"], files)
+
+
+def test_a_dcp_entry_loads_only_into_an_object_of_its_kind(tmp_path):
+    """Issue 36, D4: a tensor declared a bytes entry in .metadata: the load plan refuses it with one message."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(tmp_path))
+    with open(tmp_path / ".metadata", "rb") as f:
+        metadata = safe_loading.safe_metadata_load(f)
+    metadata.storage_data[MetadataIndex("w")] = next(iter(metadata.storage_data.values()))
+    metadata.state_dict_metadata["w"] = BytesStorageMetadata()
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
+    target = {"w": torch.zeros(6)}
+    with safe_loading.weights_only_loading(), pytest.raises(BaseException) as raised:
+        dcp.load(target, checkpoint_id=str(tmp_path))
+    assert "its .metadata stores w as bytes, where this run has a tensor" in str(raised.value)
+
+
+def test_plain_names():
+    assert safe_loading.plain_name("blocks.0.ln1.weight")
+    assert not any(safe_loading.plain_name(n) for n in ("", ".", "..", "a/b", "/abs", "../../x", "a\0b", "x" * 300))

@@ -100,3 +100,14 @@ def test_docs_state_every_rule_as_a_table():
     rows = [line for line in section.splitlines() if line.startswith("| ")]
     for name in [*WORLD_SIZE_CHANGE, *(f"--{flag.replace('_', '-')}" for flag in RESHAPE), *PER_RANK]:
         assert any(f"| {name} |" in row or f"| `{name}` |" in row for row in rows), name
+
+
+def test_many_differing_settings_are_one_short_line():
+    """A checkpoint of another recipe written before manifests named their recipe (issue 35, item 5): four of its
+    differences named, long values cut, the rest counted, and the hint that flags only one side has mean another
+    recipe."""
+    saved = manifest(data_dir="/data/mnist", epochs=2, **{f"flag_{i}": i for i in range(30)})
+    problem = incompatibility(saved, now(), {**SETTINGS, "grad_accum": 2, "a_path": "x" * 200, "block_size": 32})
+    assert problem == ("these settings differ from the run that wrote it (saved, now): a_path '<not set>' vs '"
+                       + "x" * 56 + "..., block_size '<not set>' vs 32, data_dir '/data/mnist' vs '<not set>', epochs "
+                       "2 vs '<not set>' and 30 more (flags only one of them has: a checkpoint of another recipe?)")

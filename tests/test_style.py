@@ -3,6 +3,7 @@
 Quick: no launch."""
 
 import ast
+import json
 import subprocess
 import sys
 
@@ -28,3 +29,31 @@ def test_no_two_statements_packed_into_one():
              if not any(part.startswith(".") for part in path.relative_to(REPO).parts)
              for line in packed_statements(path.read_text())]
     assert found == [], "write one statement per line: " + ", ".join(found)
+
+
+# One violation of each rule family pyproject.toml selects, and what ruff must call it (issue 36: with the selection
+# emptied, `ruff check .` found nothing and the exit-code test above still passed).
+PROBE = '''import sys
+import os
+
+
+def f(x):
+    unused = 1
+    x
+''' + "\n".join(f"    if x == {i}:\n        return {i}" for i in range(13)) + "\n" + "".join(
+    f"    x = x + {i}\n" for i in range(52)) + "    return os.sep, sys.argv, '" + "y" * 120 + "' \n"
+EXPECTED = {"I001": "imports out of order", "F841": "an unused variable (pyflakes)", "B018": "a useless expression",
+            "C901": "a function over 12 paths", "PLR0915": "a function over 50 statements",
+            "E501": "a line over 120 characters", "W291": "trailing whitespace"}
+
+
+def test_ruff_applies_the_selected_rules():
+    """ruff, run with the repository's configuration on a file that breaks each selected rule family once, reports
+    each: the selection (pyproject.toml's select, max-complexity 12, max-statements 50, line-length 120) is in force."""
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "json",
+                             "--stdin-filename", "recipes/_style_probe.py", "-"], cwd=REPO, input=PROBE,
+                            capture_output=True, text=True, timeout=120)
+    found = {finding["code"] for finding in json.loads(result.stdout or "[]")}
+    missing = {code: why for code, why in EXPECTED.items() if code not in found}
+    assert not missing, f"ruff no longer reports {missing} (found {sorted(found)}): is pyproject.toml's rule " \
+                        f"selection intact?\n{result.stderr}"

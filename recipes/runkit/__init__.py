@@ -7,7 +7,8 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     checkpoints.py   --checkpoint-dir: its lock, saving, choosing, loading and rotating checkpoints
     resume_rules.py  what a resumed run must share with the checkpoint, and what it may change
     resharding.py    a resume on another world size or --grad-accum: each per-rank rule, the universal checkpoint
-    integrity.py     checksums shared by the ranks, and loading that never runs code from a checkpoint
+    integrity.py     manifests, checksums shared by the ranks, a checkpoint read only through what was verified
+    safe_loading.py  what a checkpoint file may contain: loading that never runs code, memory bounded by size
     dirlock.py       one writer per --checkpoint-dir
     collectives.py   verdicts every rank reaches together: the main process's result, the first rank's problem
     sharded_model.py run.sharded_init(): the model built sharded under ZeRO-3 and FSDP

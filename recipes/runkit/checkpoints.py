@@ -29,6 +29,7 @@ Others may write into --checkpoint-dir (docs/checkpoints.md, the threat model): 
 deletes only checkpoints this run family wrote, older than the one just saved, and never follows a link.
 """
 
+import json
 import os
 import re
 import shutil
@@ -39,21 +40,21 @@ import time
 from accelerate.utils import DistributedType, gather_object
 from torch.distributed.checkpoint.api import CheckpointException  # FSDP's sharded saves and loads raise it
 
-from .collectives import first_rank_problems, main_process_result
+from .collectives import checked_by_every_rank, main_process_result
 from .dirlock import take
 from .engines import uncompiled_name
-from .exits import fail
+from .exits import fail, report
 from .integrity import (
     MANIFEST,
-    UnsafeCheckpointFile,
-    check_share,
+    HeldCheckpoint,
     file_table,
+    files_problem,
     fsync,
     listing,
     my_share,
     read_manifest,
     remove_entry,
-    weights_only_loading,
+    whole,
     write_manifest,
 )
 from .resharding import (
@@ -66,30 +67,129 @@ from .resharding import (
     set_micro_batch_counter,
     universal_part,
 )
-from .resume_rules import incompatibility, layout, reshaped
+from .resume_rules import checkpoint_kind, incompatibility, layout, reshaped
+from .safe_loading import UnsafeCheckpointFile, weights_only_loading
 
 NAME = re.compile(r"^step-(\d{8})$")
 
 
-def lock_directory(accelerator, directory):
-    """Collective: take --checkpoint-dir's lock (one writer per directory) on the main process, at start-up,
-    so a second run on it stops in seconds, before it loads data or a model. Returns the lock (main process)."""
-    lock, error = take(directory) if accelerator.is_main_process else (None, None)
+def _number(value):
+    return type(value) in (int, float)
+
+
+def _scalar(value):
+    return value is None or type(value) in (int, float, str, bool)
+
+
+# What Run keeps in a checkpoint's train_state (run.py: the state Run.start makes, saved by Run._save), each field
+# with its type and range; a manifest whose train_state holds anything else is not one this code wrote. The window
+# (timing.py's window_state) is checked against the layout's world size in _state_problem.
+TRAIN_STATE = {
+    "step": whole, "epoch": whole, "step_in_epoch": whole, "epochs_run": whole,
+    "first_loss": lambda v: v is None or _number(v), "final_loss": lambda v: v is None or _number(v),
+    "last_eval": lambda v: v is None or (isinstance(v, dict) and whole(v.get("step"))
+                                         and all(_scalar(x) for x in v.values())),
+    "train_time": lambda v: _number(v) and v >= 0,
+    "window": lambda v: v is None or isinstance(v, dict),
+    "output_dir": lambda v: v is None or isinstance(v, str),
+}
+WINDOW = {"loss_sums": lambda v: isinstance(v, list) and all(_number(x) for x in v), "micro": whole,
+          "data_time": lambda v: _number(v) and v >= 0, "compute_time": lambda v: _number(v) and v >= 0}
+
+
+def _state_problem(manifest):
+    """None, or why a manifest's train_state is not one Run writes (TRAIN_STATE): a field missing, unknown, or of
+    another type or range; a step other than the manifest's; a log window of another world size."""
+    state = manifest["train_state"]
+    problem = _fields_problem(state, TRAIN_STATE) or (_fields_problem(state["window"], WINDOW) if state["window"]
+                                                      else None)
+    if problem:
+        return problem
+    if state["step"] != manifest["step"]:
+        return f"its train_state's step {state['step']} is not its step {manifest['step']}"
+    window = state["window"]
+    if window and len(window["loss_sums"]) != manifest["layout"]["world_size"]:
+        return f"its log window holds {len(window['loss_sums'])} loss sums for {manifest['layout']['world_size']} " \
+               f"processes"
+    return None
+
+
+def _fields_problem(part, fields):
+    """None, or the first field of `part` missing, unknown, or of another type or range than `fields` says."""
+    if set(part) != set(fields):
+        odd = sorted(set(part) ^ set(fields))[0]
+        return f"its train_state {'lacks' if odd in fields else 'holds an unknown field'} {_shown(odd)}"
+    bad = next((k for k, ok in fields.items() if not ok(part[k])), None)
+    return f"its train_state's {bad} {_shown(part[bad])} is not of the type and range Run writes" if bad else None
+
+
+def _shown(value):
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def lock_directory(accelerator, directory, resume="auto", recipe=None):
+    """Collective, at start-up, before any data or model is loaded: take --checkpoint-dir's lock (one writer per
+    directory) on the main process, so that a second run on it stops in seconds; and refuse a checkpoint the resume
+    would take that another recipe or engine wrote (the main process reads its manifest). Returns the lock (main
+    process; None without --checkpoint-dir)."""
+    lock, error = None, None
+    if accelerator.is_main_process:
+        lock, error = take(directory) if directory else (None, None)
+        error = error or _written_by_another(accelerator, directory, resume, recipe)
+        if error and lock:
+            lock.release()
     main_process_result(accelerator, (None, error))
     return lock
 
 
+def _written_by_another(accelerator, directory, resume, recipe):
+    """Main process: None, or why the checkpoint --resume would take cannot be this run's, from its manifest alone:
+    another recipe wrote it, or another engine (its files differ). The full checks come once the model is built."""
+    if resume == "none":
+        return None
+    root = directory if resume == "auto" else resume
+    try:
+        names = sorted((n for n in os.listdir(root) if NAME.match(n)), reverse=True) if root else []
+        paths = [resume] if resume != "auto" and os.path.lexists(os.path.join(resume, MANIFEST)) else [
+            os.path.join(root, n) for n in names]
+    except OSError:
+        return None  # choose() says what is wrong with it
+    for path in paths:
+        try:
+            manifest = read_manifest(path, contents=False)
+        except (OSError, ValueError):
+            continue
+        other = manifest.get("recipe")
+        if recipe and other and other != recipe:
+            return f"cannot resume from {path}: it was written by {other}.py, and this is {recipe}.py. Give a " \
+                   f"checkpoint of {recipe}.py, or another --checkpoint-dir."
+        return _check_layout(path, manifest, layout(accelerator))
+    return None
+
+
+def _check_layout(path, manifest, now):
+    saved = manifest["layout"]
+    if checkpoint_kind(saved) != checkpoint_kind(now):
+        return f"cannot resume from {path}: {incompatibility(manifest, now, {})}. Use the original config, or start " \
+               f"fresh with another --checkpoint-dir."
+    return None
+
+
 class Checkpointer:
-    def __init__(self, accelerator, directory, keep_last, must_match, model, lock):
+    def __init__(self, accelerator, directory, keep_last, must_match, model, lock, recipe=None):
         """must_match: the settings a resumed run must share (resume_rules.must_match_settings); model: the
-        prepared model, whose per-rank buffers FSDP needs kept; lock: lock_directory()'s, taken at start-up.
+        prepared model, whose per-rank buffers FSDP needs kept; lock: lock_directory()'s, taken at start-up;
+        recipe: the recipe's name, recorded in each manifest (a checkpoint of another recipe is named as such).
         The layout records the accelerator's accumulation steps (a resume may change them: resume_rules.RESHAPE)."""
         self.accelerator, self.directory, self.keep_last = accelerator, directory, keep_last
-        self.must_match, self.model, self.lock = must_match, model, lock
+        self.must_match, self.model, self.lock, self.recipe = must_match, model, lock, recipe
         self.layout = layout(accelerator)
         self.reshaped = []  # what the resume changed (world size, --grad-accum) and the rules that applied
         self.last_saved_step = None
         self.reported = set()  # step-* entries rotation left alone, each reported once
+        self.verified = set()  # checkpoints in --checkpoint-dir whose every file this run checked or wrote
+        self.held = None  # the checkpoint choose() verified, held until load() has read it
         self.times = {"saves": 0, "save_write_s": 0.0, "save_checksum_s": 0.0, "resume_verify_s": None,
                       "resume_load_s": None}
         self.save_kwargs, self.load_kwargs = self._leave_out_frozen(model)
@@ -98,11 +198,14 @@ class Checkpointer:
         """(save_state, load_state) keyword arguments. Frozen parameters (LoRA's base model) are loaded again
         from the model the run starts from, which must_match pins, so checkpoints leave them out where the
         engine allows: DeepSpeed's module files, and the model file without DeepSpeed or FSDP. FSDP's sharded
-        save takes the whole state dict (accelerate has no filter for it), each rank writing its shard."""
+        save takes the whole state dict (accelerate has no filter for it), each rank writing its shard. The load
+        is then not strict, so choose() checks the model file holds exactly what trains (_model_keys_problem)."""
         plain = self.accelerator.unwrap_model(model, keep_torch_compile=False)
         frozen = {name for name, p in plain.named_parameters() if not p.requires_grad}
+        self.frozen, self.saved_keys = frozen, set(plain.state_dict()) - frozen
         distributed_type = self.accelerator.distributed_type
         if not frozen or distributed_type == DistributedType.FSDP:
+            self.frozen = set()
             return {}, {}
         if distributed_type == DistributedType.DEEPSPEED:
             return {"exclude_frozen_parameters": True}, {"load_module_strict": False}
@@ -113,10 +216,6 @@ class Checkpointer:
                     del state[key]
         self.accelerator.register_save_state_pre_hook(trainable_only)
         return {}, {"strict": False}
-
-    def _complete(self):
-        names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
-        return sorted((int(m.group(1)), os.path.join(self.directory, n)) for n in names if (m := NAME.match(n)))
 
     def save(self, step, train_state):
         """Collective: write step-NNNNNNNN, verify and publish it, then rotate the older ones."""
@@ -129,8 +228,10 @@ class Checkpointer:
         written = time.perf_counter()
         shares = self._hash_shares(tmp)
         self._publish(tmp, final, made, shares, {"step": step, "layout": self.layout, "must_match": self.must_match,
-                                                 "train_state": train_state})
+                                                 "train_state": train_state, **({"recipe": self.recipe} if self.recipe
+                                                                               else {})})
         self.last_saved_step = step
+        self.verified.add(final)
         self._count_save(final, started, written)
         if acc.is_main_process and self.keep_last:
             self._rotate(step, final)
@@ -242,106 +343,183 @@ class Checkpointer:
 
     def _rotate(self, step, final):
         """Main process, after `final` (step `step`) is published: delete the oldest checkpoints this run family
-        wrote beyond --keep-last. Only real directories with a manifest read_manifest accepts, of this run's
-        layout family and an older step, count; a step-* link is unlinked, never followed; anything else that
-        only looks like a checkpoint is left alone and reported once."""
-        ours, strange, now = [], [], self.layout
-        for name in sorted(os.listdir(self.directory)):
+        wrote beyond --keep-last. Newest first, a checkpoint counts only if it verifies (_rotation_problem): as
+        many as --keep-last keeps are checked file by file (each once per run), the older ones by their manifest
+        and sizes; a step-* link is unlinked, never followed; anything else is left alone and reported once. So a
+        planted or damaged look-alike never takes the place of a real checkpoint, which is then deleted."""
+        counted, strange = [], []
+        for name in sorted(os.listdir(self.directory), reverse=True):
             m, path = NAME.match(name), os.path.join(self.directory, name)
             if not m or path == final:
                 continue
             try:
-                mode = os.lstat(path).st_mode
-                if stat.S_ISLNK(mode):
+                st = os.lstat(path)
+                if stat.S_ISLNK(st.st_mode):
                     os.unlink(path)  # the link itself: its target is not ours to delete
                     print(f"warning: removed {path}: a symbolic link, not a checkpoint this code writes",
                           file=sys.stderr, flush=True)
                     continue
-                manifest = read_manifest(path, contents=False) if stat.S_ISDIR(mode) else None
-            except (OSError, ValueError):
-                manifest = None
-            if (manifest and manifest["step"] == int(m.group(1)) < step
-                    and manifest["layout"]["family"] == now["family"]):
-                ours.append(path)
-            else:
-                strange.append(path)
-        for old in ours[:max(0, len(ours) - (self.keep_last - 1))]:  # the one just saved counts as kept
+            except OSError:
+                continue
+            kept = len(counted) < self.keep_last - 1  # the one just saved counts as kept
+            problem = self._rotation_problem(path, st, int(m.group(1)), step, checksums=kept)
+            (strange if problem else counted).append(path)
+        for old in counted[max(0, self.keep_last - 1):]:
             try:
                 shutil.rmtree(old)
             except OSError as exc:  # the new checkpoint is complete: a warning, not an error
                 print(f"warning: --keep-last {self.keep_last}: saved {final}, but could not remove the older "
                       f"checkpoint {old} ({exc}); remove it by hand", file=sys.stderr, flush=True)
-        new = [p for p in strange if p not in self.reported]
+        new = [p for p in sorted(strange) if p not in self.reported]
         if new:
             self.reported.update(new)
             print(f"warning: --keep-last {self.keep_last}: left alone {', '.join(new)}: not a checkpoint this run "
-                  f"wrote before {final} (no valid {MANIFEST}, another layout, or a later step); remove it by hand "
-                  f"if it is yours", file=sys.stderr, flush=True)
+                  f"wrote before {final} (it does not verify, or another run or layout wrote it, or a later step); "
+                  f"remove it by hand if it is yours", file=sys.stderr, flush=True)
+
+    def _rotation_problem(self, path, st, named_step, step, checksums):
+        """Main process: None if the directory at `path` (lstat `st`) is a checkpoint of this run family older than
+        `step`, which verifies: this user's directory, its manifest valid for this run and its name, its files
+        exactly those listed at their sizes, and (checksums) every file's checksum and format."""
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return "not a directory of this user's"
+        try:
+            manifest = read_manifest(path)
+        except (OSError, ValueError) as exc:
+            return str(exc)
+        problem = self._manifest_problem(manifest) or (
+            incompatibility(manifest, self.layout, self.must_match) if manifest.get("recipe", self.recipe)
+            == self.recipe else "another recipe wrote it")
+        if problem or not manifest["step"] == named_step < step or not checksums or path in self.verified:
+            return problem or (None if manifest["step"] == named_step < step else "not an older step")
+        with HeldCheckpoint(path, manifest["files"], follow=False) as held:
+            damage, unsafe = held.share_problems(0, 1)
+        if not (damage or unsafe):
+            self.verified.add(path)
+        return damage or unsafe
+
+    def _manifest_problem(self, manifest):
+        """None, or why a manifest that read_manifest accepts is not one this run's save would have written: its
+        train_state (TRAIN_STATE), and its files, exactly those its engine and layout write for this run."""
+        acc = self.accelerator
+        return _state_problem(manifest) or files_problem(
+            manifest, len(acc._models), len(acc._optimizers), len(acc._schedulers))
 
     def choose(self, spec):
-        """Collective. The checkpoint `spec` names (auto: the newest usable one), checked by every rank for
-        compatibility, checksums and loadability, as (path, manifest); None to start fresh."""
+        """Collective. The checkpoint `spec` names (auto: the newest usable one; the directory of step-*
+        checkpoints: its newest usable one), checked by every rank for compatibility, checksums and loadability,
+        and held (integrity.HeldCheckpoint) until load() has read it, as (path, manifest); None to start fresh."""
         acc = self.accelerator
         started = time.perf_counter()
         result = (None, None)
         if acc.is_main_process:
             result = self._refuse_fresh_start() if spec == "none" else self._candidates(spec)
-        candidates, held = main_process_result(acc, result) or ([], 0)
+        candidates, held, fall_back = main_process_result(acc, result) or ([], 0, False)
         for path, manifest in candidates:
             self._check_compatible(path, manifest)
-            damage, unsafe = first_rank_problems(acc, *check_share(path, manifest["files"], acc.process_index,
-                                                                   acc.num_processes))
+            checkpoint = HeldCheckpoint(path, manifest["files"], follow=spec != "auto")
+            also = self._model_keys_problem if acc.is_main_process and self.frozen else None
+            damage, unsafe = checked_by_every_rank(acc, checkpoint, also)
             if unsafe:  # not damage: a file this code never writes. Stop, whatever --resume says.
+                checkpoint.close()
                 fail(acc, f"checkpoint {path} cannot be used: {unsafe}. This code never writes such a file: find "
                           f"out who did, and do not load it by other means.")
             if not damage:
+                self.held = checkpoint
+                if os.path.dirname(path) == self.directory:
+                    self.verified.add(path)
                 self.times["resume_verify_s"] = time.perf_counter() - started
                 return path, manifest
-            if spec != "auto":
+            checkpoint.close()
+            if not fall_back:
                 fail(acc, f"checkpoint {path} cannot be used: {damage}. Pick another one, or --resume auto "
                           f"for the newest complete one.")
             if acc.is_main_process:
                 print(f"warning: skipping checkpoint {path}: {damage}", file=sys.stderr, flush=True)
         if held:  # starting fresh would rotate them away
-            fail(acc, f"--resume auto: none of the {held} checkpoint(s) in {self.directory} can be used (the "
-                      f"warnings above say why). Give another --checkpoint-dir, or remove them.")
+            where = self.directory if spec == "auto" else spec
+            fail(acc, f"--resume {spec}: none of the {held} checkpoint(s) in {where} can be used (the warnings above "
+                      f"say why). Give another --checkpoint-dir, or remove them.")
         return None
 
+    def _model_keys_problem(self, held):
+        """Main process, the model's trainable part only saved (LoRA: the frozen base left out, so the load is not
+        strict): None, or why the checkpoint's model file does not hold exactly what this run saves, the adapters
+        and no frozen weight (a frozen weight in it would replace --model's, a missing adapter would stay new)."""
+        rel, keys = _model_keys(held, self.layout)
+        if rel is None:
+            return None
+        names = {uncompiled_name(k.removeprefix("module.")) for k in keys}
+        frozen = sorted(names & self.frozen)
+        if frozen:
+            return f"{rel} holds {frozen[0]}, a weight of the frozen base model: a LoRA checkpoint holds only what " \
+                   f"trains, the base comes from --model"
+        missing, unknown = sorted(self.saved_keys - names), sorted(names - self.saved_keys)
+        if missing:
+            return f"{rel} lacks {missing[0]}, which this run trains: a LoRA checkpoint holds every adapter"
+        return f"{rel} holds {unknown[0]}, which this model does not have" if unknown else None
+
     def load(self, path, manifest):
-        """Collective: load a checkpoint choose() returned into the prepared objects, each rank's own state by
-        resume_rules.PER_RANK (resharding.py); returns its training state, as this run's ranks carry it."""
-        acc = self.accelerator
+        """Collective: load the checkpoint choose() returned and holds into the prepared objects, reading only the
+        files it verified (its view), each rank's own state by resume_rules.PER_RANK (resharding.py); returns its
+        training state, as this run's ranks carry it."""
+        acc, held, universal = self.accelerator, self.held, None
         started = time.perf_counter()
         try:
-            universal = universal_part(acc, path, manifest) if needs_universal(manifest, self.layout) else None
-            with weights_only_loading(), loading_universal(self.model, universal):  # again while loading: a
-                acc.load_state(path, **self.load_kwargs)  # file swapped since the check runs no code either
-                rng_for_new_rank(acc, path, manifest)
-            load_rank_buffers(acc, self.model, path)
-        # ValueError: a universal checkpoint that does not fit this model (DeepSpeed's loader, and ours).
-        # The exit makes the launcher stop the others.
-        except (UnsafeCheckpointFile, CheckpointException, ValueError) as exc:
-            print(f"error: checkpoint {path} cannot be loaded: {(str(exc).splitlines() or [''])[0][:300]}. Remove "
-                  f"it, or resume from another one.", file=sys.stderr, flush=True)
+            universal = universal_part(acc, held, manifest) if needs_universal(manifest, self.layout) else None
+            source = held.view()
+            with weights_only_loading(), loading_universal(self.model, universal and universal.view()):
+                acc.load_state(source, **self.load_kwargs)  # under weights-only loading again: a file that
+                rng_for_new_rank(acc, source, manifest)  # changed since its check runs no code either
+            load_rank_buffers(acc, self.model, source)
+        # ValueError: a universal checkpoint that does not fit this model (DeepSpeed's loader, and ours); a DCP entry
+        # of another kind. RuntimeError: a state dict that does not fit (a strict load). The exit makes the launcher
+        # stop the others.
+        except (UnsafeCheckpointFile, CheckpointException, ValueError, RuntimeError) as exc:
+            message = _first_failure(exc).replace(held.view(), path)
+            report(f"checkpoint {path} cannot be loaded: {message}. Remove it, or resume from another one.",
+                   acc.is_main_process or not isinstance(exc, CheckpointException))  # DCP's: every rank raises it
             sys.exit(2)
-        set_micro_batch_counter(acc, manifest["step"])
-        self.times["resume_load_s"] = time.perf_counter() - started
-        self.last_saved_step = manifest["step"]
-        self.reshaped = reshaped(manifest, self.layout)
-        if acc.is_main_process:
-            print(f"resumed from {path} (step {manifest['step']}, written by {manifest['layout']['world_size']} "
-                  f"processes; checksums and formats checked by {acc.num_processes} rank(s) in "
-                  f"{self.times['resume_verify_s']:.1f} s, loaded in {self.times['resume_load_s']:.1f} s)",
-                  flush=True)
-            for note in self.reshaped:
-                print(f"resumed on another shape: {note}", flush=True)
+        finally:
+            if universal:
+                universal.close()
+        self._loaded(path, manifest, started)
         state = manifest["train_state"]
         if state.get("window"):  # written by another world size or --grad-accum: resume_rules.PER_RANK
             state = {**state, "window": reshaped_window(state["window"], manifest, self.layout)}
         return state
 
+    def _loaded(self, path, manifest, started):
+        """After the load: the micro-batch counter, the times, the lines that say what was loaded, and a warning
+        naming a verified file that was replaced while the run read the checkpoint (the run read the verified
+        one); the held files let go."""
+        acc = self.accelerator
+        set_micro_batch_counter(acc, manifest["step"])
+        self.times["resume_load_s"] = time.perf_counter() - started
+        self.last_saved_step = manifest["step"]
+        self.reshaped = reshaped(manifest, self.layout)
+        replaced = self.held.replaced() if acc.is_main_process else []
+        self.held.close()
+        self.held = None
+        if not acc.is_main_process:
+            return
+        print(f"resumed from {path} (step {manifest['step']}, written by {manifest['layout']['world_size']} "
+              f"processes; checksums and formats checked by {acc.num_processes} rank(s) in "
+              f"{self.times['resume_verify_s']:.1f} s, loaded in {self.times['resume_load_s']:.1f} s)", flush=True)
+        for note in self.reshaped:
+            print(f"resumed on another shape: {note}", flush=True)
+        if replaced:
+            print(f"warning: checkpoint {path} changed while this run read it: {replaced[0]} was replaced after "
+                  f"it was verified (this run read the verified file; the next resume will refuse the checkpoint). "
+                  f"Someone else writes there: check {os.path.dirname(path)}", file=sys.stderr, flush=True)
+
     def _check_compatible(self, path, manifest):
         """Collective (every rank has the same manifest): refuse a checkpoint this run cannot continue."""
+        other = manifest.get("recipe")
+        if self.recipe and other and other != self.recipe:
+            fail(self.accelerator, f"cannot resume from {path}: it was written by {other}.py, and this is "
+                                   f"{self.recipe}.py. Give a checkpoint of {self.recipe}.py, or another "
+                                   f"--checkpoint-dir.")
         problem = incompatibility(manifest, self.layout, self.must_match)
         if problem:
             fail(self.accelerator, f"cannot resume from {path}: {problem}. Use the original settings, or start "
@@ -358,33 +536,97 @@ class Checkpointer:
                       f"use --resume auto.")
 
     def _candidates(self, spec):
-        """Main process: (([(path, manifest)...] newest first, how many step-* there are), None) or (None, error
-        message). The ranks then verify the checksums together and take the first that passes."""
+        """Main process: (([(path, manifest)...] newest first, how many step-* there are, whether to fall back to an
+        older one), None) or (None, error message). The ranks then verify the checksums together and take the first
+        that passes. --resume given the directory of step-* checkpoints (the parent of a step-*) takes its newest
+        usable one, as --resume auto does in --checkpoint-dir (accelerate's load_state() takes the newest too)."""
         if spec != "auto":
             if not os.path.isdir(spec):
                 return None, (f"--resume {spec}: no such directory. Give the path of a step-* checkpoint "
                               f"directory, or --resume auto for the newest complete one in --checkpoint-dir.")
-            try:
-                return ([(spec, read_manifest(spec))], 1), None
-            except ValueError as exc:
-                return None, (f"checkpoint {spec} cannot be used: {exc}. Pick another one, or --resume auto "
-                              f"for the newest complete one.")
-        if not self.directory or not os.path.isdir(self.directory):
+            if os.path.lexists(os.path.join(spec, MANIFEST)) or not _steps(spec):
+                try:
+                    return ([(spec, self._usable(spec, None))], 1, False), None
+                except ValueError as exc:
+                    return None, (f"checkpoint {spec} cannot be used: {exc}. Pick another one, or --resume auto "
+                                  f"for the newest complete one.")
+            print(f"--resume {spec}: a directory of checkpoints; resuming from its newest complete one",
+                  flush=True)
+        root = self.directory if spec == "auto" else spec
+        if not root or not os.path.isdir(root):
             return None, None
-        found, held = [], self._complete()
-        for _, path in reversed(held):
+        found, held = [], _steps(root)
+        for step, path in reversed(held):
             try:
                 if not stat.S_ISDIR(os.lstat(path).st_mode):
                     raise ValueError("a symbolic link or a file, not a checkpoint directory this code writes")
-                found.append((path, read_manifest(path)))
+                found.append((path, self._usable(path, step)))
             except (OSError, ValueError) as exc:
                 print(f"warning: skipping checkpoint {path}: {exc}", file=sys.stderr, flush=True)
-        return (found, len(held)), None
+        return (found, len(held), True), None
+
+    def _usable(self, path, named_step):
+        """Main process: the manifest of the checkpoint at `path`, or ValueError saying why this run cannot use it
+        (read_manifest's checks, then _manifest_problem's, and a step other than its name's)."""
+        manifest = read_manifest(path)
+        problem = self._manifest_problem(manifest)
+        if problem:
+            raise ValueError(problem)
+        if named_step is not None and manifest["step"] != named_step:
+            raise ValueError(f"its {MANIFEST} says step {manifest['step']}, not the step of its name")
+        return manifest
 
     def release(self):
         """The run is over: let the next run write here."""
+        if self.held:
+            self.held.close()
+            self.held = None
         if self.lock:
             self.lock.release()
+
+    def _complete(self):
+        return _steps(self.directory) if self.directory else []
+
+
+def _steps(directory):
+    """[(step, path)] of the step-* entries in `directory`, oldest first ([] when it cannot be listed)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted((int(m.group(1)), os.path.join(directory, n)) for n in names if (m := NAME.match(n)))
+
+
+def _model_keys(held, now):
+    """(the model file's name, the keys it holds) of a held checkpoint, read through the held descriptor: the
+    safetensors header without DeepSpeed or FSDP, DeepSpeed's module state; (None, None) for FSDP."""
+    if now["family"] == "full":
+        rel = "model.safetensors"
+        fd, size = held.held[rel].fileno(), held.files[rel]["size"]
+        length = int.from_bytes(os.pread(fd, 8, 0), "little") if size >= 8 else -1
+        if not 0 <= length <= min(size - 8, 100 << 20):
+            return rel, ["<a header this code does not write>"]
+        try:
+            header = json.loads(os.pread(fd, length, 8))
+        except (ValueError, RecursionError):
+            return rel, ["<a header this code does not write>"]
+        return rel, [k for k in header if k != "__metadata__"] if isinstance(header, dict) else ["<no table>"]
+    if now["family"] == "deepspeed":
+        import torch
+        rel = next(r for r in sorted(held.held) if r.startswith("pytorch_model/") and r.endswith("_model_states.pt"))
+        with weights_only_loading():
+            states = torch.load(held.fd_path(rel), map_location="cpu", mmap=True)
+        module = states.get("module") if isinstance(states, dict) else None
+        return rel, list(module) if isinstance(module, dict) else ["<no module state>"]
+    return None, None
+
+
+def _first_failure(exc):
+    """The first line of what went wrong in a load: for torch.distributed.checkpoint's CheckpointException, the first
+    failing rank's own exception (its message is otherwise the list of ranks)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
 
 
 def _identity(path):

@@ -1,41 +1,38 @@
-"""What a checkpoint's files may contain, and whether they are the files that were saved.
+"""Whether a checkpoint holds exactly the files that were saved, and reading it only through what was verified.
 
-Owns two guarantees (docs/checkpoints.md, "What a checkpoint can and cannot do"):
-
-* No code runs when a checkpoint loads, whatever its files contain. While one loads,
-  every torch.load is weights-only: DeepSpeed asks for weights_only=False and gets True,
-  with exactly the non-tensor types its files hold allowed; torch.distributed.checkpoint's
-  .metadata pickle (FSDP's sharded checkpoints) is read by an unpickler that builds only
-  that format's own classes. A file that cannot be read that way is refused by name.
-* checkpoint.json, the manifest: the SHA-256 table in it is computed and checked by all ranks together:
-  a file whose name carries a rank (DeepSpeed's zero_pp_rank_N, torch.distributed.checkpoint's
-  __N_0.distcp, accelerate's random_states_N) is hashed by that rank, which wrote it and
-  reads it back; the other files are dealt out in turn. On resume no rank loads anything
-  before every rank's verdict is in.
-
-And a third, against whoever else can write into --checkpoint-dir: a checkpoint is exactly what its
-manifest lists, every entry a regular file inside it, read with bounded size (open_regular, coverage);
-a DCP .metadata may point only at files the manifest lists, within their recorded sizes; a torch file
-must be stored uncompressed (its memory is bounded by its size); numpy arrays in it are plain RNG state.
-The manifest is written once, never through a link (write_manifest), and an entry is removed as itself,
-never through a link (remove_entry). One function checks a rank's share of any manifest's files (check_share),
-for a checkpoint and for its converted universal/ part alike.
+Owns (docs/checkpoints.md, "What a checkpoint can and cannot do"):
+* checkpoint.json, the manifest: every field's type and range (read_manifest), and the files it lists, which
+  must be exactly the ones its engine and layout write (files_problem). It is written once, never through a link
+  (write_manifest); an entry is removed as itself, never through a link (remove_entry).
+* the SHA-256 table in it, computed and checked by all ranks together: a file whose name carries a rank
+  (DeepSpeed's zero_pp_rank_N, torch.distributed.checkpoint's __N_0.distcp, accelerate's random_states_N) is
+  hashed by that rank, which wrote it and reads it back; the other files are dealt out in turn (my_share).
+* HeldCheckpoint: a checkpoint read only through what was verified. Every rank opens each listed file once,
+  walking the checkpoint without following a link (open_in), holds the descriptors, hashes and parses its share
+  through them, and loads through a private directory of links to those descriptors (view): whatever replaces a
+  file at its path afterwards is never read. The ranks compare what they hold (collectives.checked_by_every_rank).
+What a file may contain (no code, bounded memory, plain RNG state) is safe_loading.py's.
 """
 
-import contextlib
 import errno
-import functools
 import hashlib
 import json
 import os
-import pickle
 import re
+import resource
 import shutil
 import stat
-import types
-import zipfile
+import tempfile
 
-import torch
+from .safe_loading import (
+    UnsafeCheckpointFile,
+    file_format,
+    numpy_problem,
+    safe_metadata_load,
+    storage_problem,
+    torch_file_problem,
+    weights_only_loading,
+)
 
 MANIFEST = "checkpoint.json"  # written last, by the main process: the checkpoint exists once it does
 # A checkpoint's derived part (resharding.py: DeepSpeed's universal checkpoint, made by a resume on another world
@@ -58,6 +55,8 @@ def my_share(rels, rank, world):
     return sorted(r for r in rels if owner(r, world) == rank) + shared[rank::world]
 
 
+# ---- opening a file without following a link ----------------------------------------------------------------
+
 class RefusedFile(OSError):
     """A checkpoint file that is not what a save writes: not a regular file, or not its recorded size."""
 
@@ -74,13 +73,12 @@ def _kind(mode):
     return "not a regular file"
 
 
-def open_regular(path, size=None, name=None):
-    """The file at `path`, opened for reading, if it is a regular file (not a link, FIFO or device) of `size`
-    bytes when given; else raise RefusedFile naming it (`name`, default the path). O_NONBLOCK: opening a FIFO
-    never blocks; O_NOFOLLOW: a link is refused, never followed; the size comes from the descriptor."""
-    name = name or path
+def _open_checked(path, size, name, dir_fd=None):
+    """The regular file at `path` (relative to dir_fd when given), opened for reading: O_NONBLOCK, so that opening
+    a FIFO never blocks; O_NOFOLLOW, so that a link is refused, never followed; its kind and size from the
+    descriptor. Else RefusedFile naming it `name`."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # the last component is a symbolic link
             raise RefusedFile(f"{name} is a symbolic link, not a file a save writes") from None
@@ -100,19 +98,235 @@ def open_regular(path, size=None, name=None):
         raise
 
 
+def open_regular(path, size=None, name=None):
+    """The file at `path` if it is a regular file (not a link, FIFO or device), of `size` bytes when given; else
+    RefusedFile naming it (`name`, default the path)."""
+    return _open_checked(path, size, name or path)
+
+
+def _walk_to(root_fd, rel):
+    """(descriptor of rel's directory under root_fd, opened without following a link, or root_fd; its last name)."""
+    *folders, last = rel.split("/")
+    fd = root_fd
+    try:
+        for folder in folders:
+            try:
+                nxt = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise RefusedFile(f"{rel}: {folder} is not a directory a save writes (a link or a file)") from None
+                if isinstance(exc, FileNotFoundError):
+                    raise RefusedFile(f"{rel} is missing") from None
+                raise
+            if fd != root_fd:
+                os.close(fd)
+            fd = nxt
+    except BaseException:
+        if fd != root_fd:
+            os.close(fd)
+        raise
+    return fd, last
+
+
+def open_in(root_fd, rel, size=None):
+    """The file `rel` under the directory open at root_fd, every component a real directory (no link followed) and
+    the file itself regular, of `size` bytes when given; else RefusedFile naming rel."""
+    fd, last = _walk_to(root_fd, rel)
+    try:
+        return _open_checked(last, size, rel, dir_fd=fd)
+    finally:
+        if fd != root_fd:
+            os.close(fd)
+
+
+def entry_identity(root_fd, rel):
+    """(device, inode) of whatever is at `rel` under root_fd now (a link itself, not followed), or None."""
+    try:
+        fd, last = _walk_to(root_fd, rel)
+    except OSError:
+        return None
+    try:
+        st = os.stat(last, dir_fd=fd, follow_symlinks=False)
+        return st.st_dev, st.st_ino
+    except OSError:
+        return None
+    finally:
+        if fd != root_fd:
+            os.close(fd)
+
+
+def _allow_open_files(count):
+    """Let this process hold `count` more descriptors (a universal checkpoint holds four files per parameter)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = count + 1024  # what the process holds besides: libraries, sockets, DataLoader pipes
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(hard, need), hard))
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise RefusedFile(f"it holds {count} files, more than this process may open (ulimit -n {hard}); raise "
+                          f"the limit and run again")
+
+
+def _digest(fd, size):
+    """SHA-256 of the first `size` bytes of the file open at fd, read without moving its offset."""
+    digest, done = hashlib.sha256(), 0
+    while done < size:
+        block = os.pread(fd, min(size - done, 1 << 22), done)
+        if not block:
+            break
+        digest.update(block)
+        done += len(block)
+    return done, digest.hexdigest()
+
+
+class HeldCheckpoint:
+    """A checkpoint's listed files, each opened once and held while it is verified and loaded. Every rank holds
+    every file; each hashes and parses its share (share_problems) through the descriptors it holds, and loads
+    through view(), a private directory of links to them. Close it (or use `with`) when the load is over."""
+
+    def __init__(self, path, files, follow=True):
+        """files: the manifest's table ({rel: {size, sha256}}); follow: whether `path` itself may be a link (a path
+        the user gave), or must be the directory (a step-* entry found in --checkpoint-dir)."""
+        self.path, self.files, self.follow = path, files, follow
+        self.held, self.root, self._view = {}, None, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def hold(self):
+        """Open the checkpoint and every listed file (RefusedFile: not a directory, or a link, FIFO, missing file or
+        wrong size)."""
+        if self.root is None:
+            try:
+                self.root = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | (0 if self.follow else os.O_NOFOLLOW))
+            except OSError as exc:
+                raise RefusedFile(f"it cannot be opened as a directory ({exc.strerror})") from None
+        _allow_open_files(len(self.files))
+        for rel in sorted(self.files):
+            self.held[rel] = open_in(self.root, rel, self.files[rel]["size"])
+
+    def fd_path(self, rel):
+        """A path that reads the held file itself, whatever is at `rel` now."""
+        return f"/proc/{os.getpid()}/fd/{self.held[rel].fileno()}"
+
+    def identities(self):
+        """{rel: (inode, size, mtime)} of the held files: the same on every rank of a shared file system."""
+        found = {}
+        for rel, f in self.held.items():
+            st = os.fstat(f.fileno())
+            found[rel] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        return found
+
+    def share_problems(self, rank, world):
+        """(damage, unsafe) of this rank's share: damage, the first file that is not what was saved (or cannot be
+        held); unsafe, the first that cannot be loaded without running code or reaches outside the table."""
+        try:
+            if not self.held:
+                self.hold()
+            mine = my_share(list(self.files), rank, world)
+            for rel in mine:
+                want = self.files[rel]
+                if _digest(self.held[rel].fileno(), want["size"]) != (want["size"], want["sha256"]):
+                    return f"{rel} does not match its recorded size and checksum (truncated or overwritten)", None
+            return None, self.loadable(mine)
+        except RefusedFile as exc:
+            return str(exc), None
+        except OSError as exc:
+            return f"it cannot be read ({exc})", None
+
+    def loadable(self, rels):
+        """None, or why one of `rels` cannot be read without running code or beyond what the manifest lists: the
+        pickles are parsed here, with the tensors memory-mapped rather than read, so that every rank can refuse
+        before any rank loads."""
+        with weights_only_loading():
+            for rel in rels:
+                try:
+                    problem = self._content_problem(rel)
+                except UnsafeCheckpointFile as exc:
+                    problem = str(exc).replace(self.fd_path(rel), rel)
+                except Exception as exc:  # noqa: BLE001 - any unreadable file is a refused checkpoint
+                    problem = f"{rel} cannot be read ({type(exc).__name__}: {str(exc)[:200]})"
+                if problem:
+                    return problem
+        return None
+
+    def _content_problem(self, rel):
+        kind, f = file_format(rel), self.held[rel]
+        if kind == "metadata":
+            f.seek(0)
+            return storage_problem(rel, safe_metadata_load(f, name=rel), self.files,
+                                   {r: h.fileno() for r, h in self.held.items()})
+        if kind != "torch":
+            return None
+        problem = torch_file_problem(rel, f.fileno())
+        if problem:
+            return problem
+        import torch
+        try:
+            loaded = torch.load(self.fd_path(rel), map_location="cpu", mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            loaded = torch.load(self.fd_path(rel), map_location="cpu")  # a file in torch's legacy format
+        return numpy_problem(rel, loaded)
+
+    def view(self):
+        """A private directory (mode 0700, made by this process) mirroring the checkpoint, each file a link to the
+        descriptor held for it: accelerate, DeepSpeed and torch.distributed.checkpoint load from it by path and read
+        exactly the verified files."""
+        if self._view is None:
+            self._view = tempfile.mkdtemp(prefix="runkit-checkpoint-")
+            for rel in self.held:
+                link = os.path.join(self._view, rel)
+                os.makedirs(os.path.dirname(link), mode=0o700, exist_ok=True)
+                os.symlink(self.fd_path(rel), link)
+        return self._view
+
+    def replaced(self):
+        """The held files whose path no longer leads to them (replaced, removed or linked away since)."""
+        gone = []
+        for rel, f in sorted(self.held.items()):
+            st = os.fstat(f.fileno())
+            if entry_identity(self.root, rel) != (st.st_dev, st.st_ino):
+                gone.append(rel)
+        return gone
+
+    def close(self):
+        for f in self.held.values():
+            f.close()
+        self.held = {}
+        if self._view:
+            shutil.rmtree(self._view, ignore_errors=True)
+            self._view = None
+        if self.root is not None:
+            os.close(self.root)
+            self.root = None
+
+
+def check_loadable(root, rels, files=None):
+    """None, or why one of `rels` under root cannot be loaded as weights only, or reaches beyond `files` (a
+    manifest's table; default: rels at whatever size they have). HeldCheckpoint.loadable on a directory."""
+    files = files or {rel: {"size": None} for rel in rels}
+    with HeldCheckpoint(str(root), files) as held:
+        try:
+            held.hold()
+        except RefusedFile as exc:
+            return str(exc)
+        if files and any(want.get("size") is None for want in files.values()):  # sizes the storage check needs
+            held.files = {rel: {**want, "size": os.fstat(held.held[rel].fileno()).st_size}
+                          for rel, want in files.items()}
+        return held.loadable(rels)
+
+
+# ---- hashing and writing ----------------------------------------------------------------------------------
+
 def sha256(path, size=None, name=None):
     """(size, SHA-256) of the regular file at `path`, reading at most `size` bytes (its size when not given)."""
-    digest = hashlib.sha256()
     with open_regular(path, size, name) as f:
-        left = os.fstat(f.fileno()).st_size if size is None else size
-        total = left
-        while left > 0:
-            block = f.read(min(left, 1 << 22))
-            if not block:
-                break
-            digest.update(block)
-            left -= len(block)
-    return total - left, digest.hexdigest()
+        return _digest(f.fileno(), os.fstat(f.fileno()).st_size if size is None else size)
 
 
 def file_table(root, rels):
@@ -126,13 +340,14 @@ def file_table(root, rels):
 
 def check_files(root, expected):
     """None, or what is wrong with the first of `expected` ({rel: {size, sha256}}) that does not match."""
-    for rel, want in sorted(expected.items()):
+    with HeldCheckpoint(str(root), expected) as held:
         try:
-            size, digest = sha256(os.path.join(root, rel), want["size"], rel)
+            held.hold()
         except RefusedFile as exc:
             return str(exc)
-        if size != want["size"] or digest != want["sha256"]:
-            return f"{rel} does not match its recorded size and checksum (truncated or overwritten)"
+        for rel, want in sorted(expected.items()):
+            if _digest(held.held[rel].fileno(), want["size"]) != (want["size"], want["sha256"]):
+                return f"{rel} does not match its recorded size and checksum (truncated or overwritten)"
     return None
 
 
@@ -143,20 +358,6 @@ def write_manifest(directory, manifest):
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-
-
-def check_share(root, files, rank, world):
-    """(damage, unsafe) of this rank's share of `files` ({rel: {size, sha256}}, a manifest's table) under root:
-    damage, the first file that is not what was saved; unsafe, the first that cannot be loaded without running
-    code or reaches outside the table; each None when there is none. Every rank checks its own share, and
-    collectives.first_rank_problems then gives every rank the verdict, before any rank loads a file."""
-    mine = my_share(list(files), rank, world)
-    try:
-        damage = check_files(root, {rel: files[rel] for rel in mine})
-        unsafe = None if damage else check_loadable(root, mine, files)
-    except OSError as exc:
-        damage, unsafe = f"it cannot be read ({exc})", None
-    return damage, unsafe
 
 
 def remove_entry(path):
@@ -201,55 +402,6 @@ def entries(root):
     return sorted(found)
 
 
-def _plain_path(rel):
-    """A relative path of plain names: no absolute part, no '..', '.' or empty component."""
-    parts = rel.split("/") if isinstance(rel, str) else []
-    return bool(parts) and "\0" not in rel and all(p not in ("", ".", "..") for p in parts)
-
-
-def _is_sha256(value):
-    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
-
-
-def read_manifest(path, contents=True):
-    """The checkpoint's manifest, or raise ValueError saying why there is none to use (cheap: no hashing).
-    contents: also check that the checkpoint holds exactly the files it lists, each a regular file of its
-    recorded size (lstat: nothing is opened or followed)."""
-    name = os.path.join(path, MANIFEST)
-    try:
-        with open_regular(name, name=MANIFEST) as f:
-            text = f.read(MANIFEST_MAX_BYTES + 1)
-        if len(text) > MANIFEST_MAX_BYTES:
-            raise ValueError(f"{MANIFEST} is over {MANIFEST_MAX_BYTES >> 20} MB, far more than a manifest holds")
-        manifest = json.loads(text)
-    except RefusedFile as exc:
-        if str(exc).endswith("is missing"):
-            raise ValueError(f"no {MANIFEST}: the save never finished") from None
-        raise ValueError(str(exc)) from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"unreadable {MANIFEST} ({exc})") from None
-    except RecursionError:
-        raise ValueError(f"unreadable {MANIFEST} (nested too deeply to be a manifest this code wrote)") from None
-    layout = manifest.get("layout") if isinstance(manifest, dict) else None
-    if not (isinstance(layout, dict) and isinstance(manifest.get("files"), dict)
-            and type(manifest.get("step")) is int and manifest["step"] >= 0
-            and isinstance(manifest.get("must_match"), dict) and isinstance(manifest.get("train_state"), dict)
-            and {"family", "zero_stage", "world_size"} <= set(layout)
-            and isinstance(layout["family"], str) and type(layout["world_size"]) is int):
-        raise ValueError(f"{MANIFEST} is not a manifest this code wrote")
-    for rel, want in manifest["files"].items():
-        if not _plain_path(rel) or rel == MANIFEST:
-            raise ValueError(f"{MANIFEST} names {rel!r}, which is not a file inside the checkpoint")
-        if not (isinstance(want, dict) and type(want.get("size")) is int and want["size"] >= 0
-                and _is_sha256(want.get("sha256"))):
-            raise ValueError(f"{MANIFEST} records no valid size and checksum for {rel!r}")
-    if contents:
-        problem = coverage(path, manifest["files"])
-        if problem:
-            raise ValueError(problem)
-    return manifest
-
-
 def coverage(root, files):
     """None, or what makes the checkpoint under root more or less than `files` (its manifest's table) plus
     the manifest: an extra file, a missing one, a link, FIFO, device or socket anywhere, a size that differs."""
@@ -271,203 +423,148 @@ def coverage(root, files):
     return None
 
 
-# ---- weights-only loading --------------------------------------------------------------------------
+# ---- the manifest ------------------------------------------------------------------------------------------
 
-def _deepspeed_types():
-    """The non-tensor classes DeepSpeed 0.19's ZeRO checkpoints hold (found with
-    torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints of every ZeRO config)."""
-    try:
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-    except ImportError:
-        return []
-    return [LossScaler, ZeroStageEnum, fragment_address]
+def _plain_path(rel):
+    """A relative path of plain names: no absolute part, no '..', '.' or empty component."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    return bool(parts) and "\0" not in rel and all(p not in ("", ".", "..") for p in parts)
 
 
-def _numpy_types():
-    """accelerate's random_states_N.pkl holds numpy's RNG state: an array and its dtype."""
-    import numpy as np
-    core = np._core if hasattr(np, "_core") else np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, *(
-        [np.dtypes.UInt32DType] if hasattr(np, "dtypes") else [])]
+def _is_sha256(value):
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
-class UnsafeCheckpointFile(Exception):
-    """A checkpoint file that cannot be read without running code from it."""
+def whole(value, low=0, high=1 << 62):
+    """Whether `value` is an int (not a bool) within [low, high]."""
+    return type(value) is int and low <= value <= high
 
 
-# .metadata of torch.distributed.checkpoint: its own dataclasses and enums, and the plain types they hold
-# (found by recording what the .metadata files of FSDP checkpoints ask for), nothing else.
-_DCP = "torch.distributed.checkpoint."
-_METADATA_GLOBALS = {
-    *((_DCP + "metadata", name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    (_DCP + "filesystem", "_StorageInfo"), (_DCP + "filesystem", "_StoragePrefix"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+FAMILIES = ("full", "deepspeed", "fsdp")  # resume_rules.layout's engine families
+MANIFEST_FIELDS = {"step", "layout", "must_match", "train_state", "files"}
+OPTIONAL_FIELDS = {"recipe", "derived_from"}  # the recipe that wrote it (since issue 36); a derived part's source
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        # A dotted name would walk from an allowed module to anything it imports (os.system...).
-        dtype = module == "torch" and "." not in name and isinstance(getattr(torch, name, None), torch.dtype)
-        if "." in name or not ((module, name) in _METADATA_GLOBALS or dtype):
-            raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a checkpoint's metadata never holds")
-        return super().find_class(module, name)
+def _shown(value):
+    """A value from a manifest, for a message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _safe_metadata_load(file, *args, name=None, **kwargs):
-    """name: what to call the file in a refusal (default its path; a file opened from a descriptor has none)."""
-    try:
-        return _MetadataUnpickler(file).load()
-    except Exception as exc:
-        raise UnsafeCheckpointFile(f"{name or getattr(file, 'name', file)}: refused ({exc})") from None
-
-
-# What torch.distributed.checkpoint.filesystem gets for `pickle` while a checkpoint loads: saving is unchanged.
-_SAFE_PICKLE = types.SimpleNamespace(load=_safe_metadata_load, dump=pickle.dump,
-                                     HIGHEST_PROTOCOL=pickle.HIGHEST_PROTOCOL)
-
-
-@contextlib.contextmanager
-def weights_only_loading():
-    """While active, no file torch.load or torch.distributed.checkpoint reads can run code."""
-    real_load = torch.load
-    allowed = _deepspeed_types() + _numpy_types()
-
-    @functools.wraps(real_load)
-    def load(f, *args, **kwargs):
-        kwargs["weights_only"] = True
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return real_load(f, *args, **kwargs)
-        except pickle.UnpicklingError as exc:
-            named = re.search(r"GLOBAL ([\w.]+)", str(exc))
-            reason = (f"it asks for {named.group(1)}, which is neither a tensor nor a type a checkpoint holds"
-                      if named else str(exc).strip().split("\n")[-1][:200])
-            raise UnsafeCheckpointFile(f"{f}: not loadable as weights only ({reason})") from None
-
-    import torch.distributed.checkpoint.filesystem as dcp_files
-    real_pickle = dcp_files.pickle
-    torch.load, dcp_files.pickle = load, _SAFE_PICKLE
-    try:
-        yield
-    finally:
-        torch.load, dcp_files.pickle = real_load, real_pickle
-
-
-def _format(rel):
-    """How a checkpoint file is read back: 'torch' (torch.load), 'metadata' (a DCP .metadata), or None
-    (not a pickle: JSON, safetensors, raw tensor bytes, text; DeepSpeed's zero_to_fp32.py is never run)."""
-    name = os.path.basename(rel)
-    if name == ".metadata":
-        return "metadata"
-    if name in ("latest", "latest_universal") or name.endswith((".json", ".safetensors", ".py", ".distcp", ".done")):
-        return None
-    return "torch"
-
-
-def _storage_problem(rel, metadata, files):
-    """None, or why a DCP .metadata (at `rel`) points outside the files the manifest lists: every storage entry
-    must name a plain file beside it, listed in the manifest, and lie within that file's recorded size."""
-    folder = os.path.dirname(rel)
-    storage = getattr(metadata, "storage_data", None)
-    if not isinstance(storage, dict):
-        return f"{rel}: refused (it has no storage table this code writes)"
-    for info in storage.values():
-        where, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
-        listed = os.path.join(folder, where) if isinstance(where, str) else None
-        if not (isinstance(where, str) and _plain_path(where) and "/" not in where and listed in files):
-            return f"{rel}: refused (it points a tensor at a file its checkpoint does not list)"
-        if not (type(offset) is int and type(length) is int and 0 <= offset and 0 <= length
-                and offset + length <= files[listed]["size"]):
-            return f"{rel}: refused (it points a tensor past the end of {listed})"
+def _layout_problem(layout):
+    """None, or why a manifest's layout is not one resume_rules.layout writes."""
+    if not (isinstance(layout, dict) and {"family", "zero_stage", "world_size"} <= set(layout)
+            <= {"family", "zero_stage", "world_size", "grad_accum"}):
+        return "its layout is not one this code writes"
+    family, stage = layout["family"], layout["zero_stage"]
+    if family not in FAMILIES:
+        return f"its layout names an engine this code does not write ({_shown(family)})"
+    if not (whole(stage, 0, 3) if family == "deepspeed" else stage is None):
+        return f"its layout's zero_stage {_shown(stage)} is not one a {family} run writes"
+    if not whole(layout["world_size"], 1, 1 << 20):
+        return f"its layout's world_size {_shown(layout['world_size'])} is not a number of processes"
+    if "grad_accum" in layout and not whole(layout["grad_accum"], 1, 1 << 20):
+        return f"its layout's grad_accum {_shown(layout['grad_accum'])} is not a number of micro-batches"
     return None
 
 
-def _zip_problem(rel, f):
-    """None, or why a torch zip file would take more memory than its size: torch.save stores every entry
-    uncompressed, so a compressed one (a few MB inflating to GB) is not a file it wrote. None for a
-    legacy (non-zip) torch file too."""
+def _read_json(path):
+    name = os.path.join(path, MANIFEST)
     try:
-        with zipfile.ZipFile(f) as archive:
-            infos = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError):
-        return None
-    size = os.fstat(f.fileno()).st_size
-    if any(info.compress_type != zipfile.ZIP_STORED for info in infos) or sum(i.file_size for i in infos) > size:
-        return f"{rel}: refused (its entries are compressed; torch.save never compresses, and they could inflate " \
-               f"to far more memory than the file's size)"
-    return None
+        with open_regular(name, name=MANIFEST) as f:
+            text = f.read(MANIFEST_MAX_BYTES + 1)
+        if len(text) > MANIFEST_MAX_BYTES:
+            raise ValueError(f"{MANIFEST} is over {MANIFEST_MAX_BYTES >> 20} MB, far more than a manifest holds")
+        return json.loads(text)
+    except RefusedFile as exc:
+        if str(exc).endswith("is missing"):
+            raise ValueError(f"no {MANIFEST}: the save never finished") from None
+        raise ValueError(str(exc)) from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"unreadable {MANIFEST} ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"unreadable {MANIFEST} (nested too deeply to be a manifest this code wrote)") from None
 
 
-def _numpy_problem(rel, loaded):
-    """None, or why an object torch.load returned holds numpy data that is not plain RNG state: an array or
-    dtype other than uint32/uint64 without fields or subarrays (such a dtype can build an array whose repr
-    crashes). The objects are never printed."""
-    import numpy as np
-
-    def plain(dtype):
-        return (isinstance(dtype, np.dtype) and dtype.fields is None and dtype.subdtype is None
-                and not dtype.hasobject and dtype.type in (np.uint32, np.uint64))
-
-    todo, seen = [loaded], set()
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, np.ndarray):
-            if not plain(obj.dtype):
-                return f"{rel}: refused (it holds a numpy array that is not plain uint32/uint64 RNG state)"
-        elif isinstance(obj, np.dtype):
-            if not plain(obj):
-                return f"{rel}: refused (it holds a numpy dtype other than plain uint32/uint64)"
-        elif isinstance(obj, dict):
-            todo.extend(obj.values())
-            todo.extend(obj.keys())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            todo.extend(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.Tensor, type)):
-            todo.extend(vars(obj).values())
-    return None
+def read_manifest(path, contents=True):
+    """The checkpoint's manifest, or raise ValueError saying why there is none to use (cheap: no hashing). Every
+    field is checked for its type and range (a train_state's own fields are the checkpoint code's to check).
+    contents: also check that the checkpoint holds exactly the files it lists, each a regular file of its
+    recorded size (lstat: nothing is opened or followed)."""
+    manifest = _read_json(path)
+    if not (isinstance(manifest, dict) and MANIFEST_FIELDS <= set(manifest) <= MANIFEST_FIELDS | OPTIONAL_FIELDS
+            and whole(manifest["step"]) and isinstance(manifest["must_match"], dict)
+            and isinstance(manifest["train_state"], dict) and isinstance(manifest["files"], dict)
+            and isinstance(manifest.get("recipe", ""), str) and _is_sha256(manifest.get("derived_from", "0" * 64))):
+        raise ValueError(f"{MANIFEST} is not a manifest this code wrote")
+    problem = _layout_problem(manifest["layout"])
+    if problem:
+        raise ValueError(f"{MANIFEST}: {problem}")
+    for rel, want in manifest["files"].items():
+        if not _plain_path(rel) or rel == MANIFEST:
+            raise ValueError(f"{MANIFEST} names {rel!r}, which is not a file inside the checkpoint")
+        if not (isinstance(want, dict) and set(want) == {"size", "sha256"} and whole(want["size"])
+                and _is_sha256(want["sha256"])):
+            raise ValueError(f"{MANIFEST} records no valid size and checksum for {rel!r}")
+    if contents:
+        problem = coverage(path, manifest["files"])
+        if problem:
+            raise ValueError(problem)
+    return manifest
 
 
-def check_loadable(root, rels, files=None):
-    """None, or why one of `rels` cannot be read without running code or outside what the manifest's table
-    `files` ({rel: {size, sha256}}) lists: the pickles are parsed here, with the tensors memory-mapped rather
-    than read, so that every rank can refuse before any rank loads. Every file is opened as a regular file of
-    its recorded size."""
-    files = files or {}
-    with weights_only_loading():
-        for rel in rels:
-            path, kind = os.path.join(root, rel), _format(rel)
-            size = files.get(rel, {}).get("size")
-            try:
-                if kind == "metadata":
-                    with open_regular(path, size, rel) as f:
-                        problem = _storage_problem(rel, _safe_metadata_load(f, name=rel), files)
-                elif kind == "torch":
-                    with open_regular(path, size, rel) as f:
-                        problem = _zip_problem(rel, f)
-                    if problem:
-                        return problem
-                    try:
-                        loaded = torch.load(path, map_location="cpu", mmap=True)
-                    except RuntimeError as exc:
-                        if "mmap" not in str(exc):
-                            raise
-                        loaded = torch.load(path, map_location="cpu")  # a file in torch's legacy format
-                    problem = _numpy_problem(rel, loaded)
-                    del loaded
-                else:
-                    problem = None
-                if problem:
-                    return problem
-            except (UnsafeCheckpointFile, RefusedFile) as exc:
-                return str(exc).replace(path, rel)
-            except Exception as exc:  # noqa: BLE001 - any unreadable file is a refused checkpoint
-                return f"{rel} cannot be read ({type(exc).__name__}: {str(exc)[:200]})"
+def _numbered(name, index, suffix=""):
+    """accelerate's names for the index-th model, optimizer or scheduler: name.bin, name_1.bin..."""
+    return f"{name}{'' if index == 0 else f'_{index}'}{suffix}"
+
+
+def expected_files(layout, models=1, optimizers=1, schedulers=1, files=()):
+    """(needed, optional) for a checkpoint of this layout and run (how many models, optimizers and schedulers it
+    prepared): needed, the patterns of which each must name exactly one listed file; optional, those a listed file
+    may also match (DeepSpeed's own extras). files: the listed ones (FSDP's full or sharded state dict)."""
+    world, family = layout["world_size"], layout["family"]
+    needed = [re.escape(f"random_states_{r}.pkl") for r in range(world)]
+    needed += [re.escape(f"rank-{r}.done") for r in range(world)]
+    needed += [re.escape(_numbered("scheduler", i, ".bin")) for i in range(schedulers)]
+    optional = []
+    if family == "full":
+        needed += [re.escape(_numbered("model", i, ".safetensors")) for i in range(models)]
+        needed += [re.escape(_numbered("optimizer", i, ".bin")) for i in range(optimizers)]
+    elif family == "deepspeed":
+        optional += ["latest", "zero_to_fp32\\.py", "zero_to_torch\\.py"]  # DeepSpeed's tag file, recovery scripts
+        for i in range(models):
+            tag = re.escape(_numbered("pytorch_model", i))
+            if layout["zero_stage"] == 3:
+                needed += [f"{tag}/zero_pp_rank_{r}_mp_rank_00_model_states\\.pt" for r in range(world)]
+            else:
+                needed.append(f"{tag}/mp_rank_00_model_states\\.pt")
+            if layout["zero_stage"]:
+                needed += [f"{tag}/(bf16_)?zero_pp_rank_{r}_mp_rank_00_optim_states\\.pt" for r in range(world)]
+    elif any(rel.startswith("pytorch_model_fsdp_0/") for rel in files):  # SHARDED_STATE_DICT (the shipped config)
+        needed += [re.escape(f"rank-{r}.buffers.safetensors") for r in range(world)]
+        folders = [f"pytorch_model_fsdp_{i}" for i in range(models)] + [f"optimizer_{i}" for i in range(optimizers)]
+        for folder in folders:
+            needed += [f"{folder}/\\.metadata"] + [f"{folder}/__{r}_0\\.distcp" for r in range(world)]
+    else:  # FULL_STATE_DICT
+        needed += [re.escape(f"rank-{r}.buffers.safetensors") for r in range(world)]
+        needed += [re.escape(_numbered("pytorch_model_fsdp", i, ".bin")) for i in range(models)]
+        needed += [re.escape(_numbered("optimizer", i, ".bin")) for i in range(optimizers)]
+    return needed, optional
+
+
+def files_problem(manifest, models=1, optimizers=1, schedulers=1):
+    """None, or why the manifest's file table is not exactly what a save of its layout writes for a run with this
+    many models, optimizers and schedulers: a file it needs to resume left out (the RNG state of a rank included),
+    or one no save writes."""
+    files, layout = manifest["files"], manifest["layout"]
+    needed, optional = expected_files(layout, models, optimizers, schedulers, files)
+    what = f"a {layout['family']} save of {layout['world_size']} process(es)"
+    for pattern in needed:
+        matches = [rel for rel in files if re.fullmatch(pattern, rel)]
+        if len(matches) != 1:
+            shown = pattern.replace("\\", "").replace("(bf16_)?", "")
+            return f"{MANIFEST} does not list {shown}, which {what} writes and a resume reads"
+    for rel in sorted(files):
+        if not any(re.fullmatch(p, rel) for p in needed + optional):
+            return f"{MANIFEST} lists {rel}, which no {what.removeprefix('a ')} writes"
     return None

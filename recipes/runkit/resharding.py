@@ -5,11 +5,14 @@ row names:
   * DeepSpeed ZeRO on another world size: the checkpoint's ZeRO state as DeepSpeed's universal checkpoint,
     converted once by the main process into the checkpoint's universal/ part, with a manifest of its own, and
     verified by every rank like any checkpoint file (universal_part); loaded instead of the ZeRO files
-    (loading_universal), with the repair of DeepSpeed 0.19.8's ZeRO-3 universal load (repair_zero3_universal_load);
+    (loading_universal), with the repair of DeepSpeed 0.19.8's ZeRO-3 universal load (repair_zero3_universal_load).
+    The conversion reads only the files the main process verified and holds, writes only into a directory it
+    created and holds, and checks first every parameter name that becomes a path (path_names_problem);
   * each rank's own state: the RNG state of a new rank (rng_for_new_rank), FSDP's per-rank buffers
     (save_rank_buffers, load_rank_buffers), the open log window (reshaped_window), and accelerate's micro-batch
     counter (set_micro_batch_counter).
-Whatever it reads from a checkpoint it reads under integrity.weights_only_loading: no file runs code.
+Whatever it reads from a checkpoint it reads through what was verified (integrity.HeldCheckpoint's view) and under
+safe_loading.weights_only_loading: no file runs code.
 """
 
 import argparse
@@ -18,6 +21,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import stat
 import time
 
@@ -26,25 +30,27 @@ import torch
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 
-from .collectives import first_rank_problems, main_process_result
+from .collectives import checked_by_every_rank, first_rank_problems, main_process_result
 from .exits import fail
 from .integrity import (
     DERIVED,
     DERIVING,
-    UnsafeCheckpointFile,
-    check_share,
+    HeldCheckpoint,
+    entry_identity,
     file_table,
-    fsync,
     listing,
     read_manifest,
-    remove_entry,
-    weights_only_loading,
     write_manifest,
 )
 from .resume_rules import saved_grad_accum
+from .safe_loading import UnsafeCheckpointFile, plain_name, weights_only_loading
 
 
 # ---- DeepSpeed ZeRO through the universal checkpoint -------------------------------------------------------
+class ConversionReplaced(RuntimeError):
+    """The conversion's directory was replaced while it wrote into it: someone else writes into the checkpoint."""
+
+
 def needs_universal(manifest, now):
     """Whether the checkpoint's ZeRO state must go through the universal checkpoint: DeepSpeed on another world
     size (WORLD_SIZE_CHANGE)."""
@@ -52,68 +58,143 @@ def needs_universal(manifest, now):
     return saved["family"] == "deepspeed" and saved["world_size"] != now["world_size"]
 
 
-def universal_part(accelerator, path, manifest):
+def universal_part(accelerator, held, manifest):
     """Collective: the checkpoint's ZeRO state as DeepSpeed's universal checkpoint, which loads on any world
-    size: PATH/universal, converted once (by the main process, weights-only) and kept as a derived part with
-    its own manifest and checksums; every rank verifies its share of it like any checkpoint file."""
+    size: PATH/universal, converted once (by the main process, from the files it verified and holds, weights-only)
+    and kept as a derived part with its own manifest and checksums; every rank verifies its share of it like any
+    checkpoint file. Returns it held (integrity.HeldCheckpoint): load through its view, then close it."""
+    path = held.path
     derived = os.path.join(path, DERIVED)
     source = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
     error = None
     if accelerator.is_main_process:
         try:
-            if not os.path.lexists(derived):
-                _convert(path, manifest, source)
-        except (OSError, RuntimeError, AssertionError, ValueError, UnsafeCheckpointFile) as exc:
+            if entry_identity(held.root, DERIVED) is None:
+                _convert(held, manifest, source)
+        except UnsafeCheckpointFile as exc:
+            error = (f"checkpoint {path} cannot be used: {exc}. This code never writes such a file: find out who "
+                     f"did, and do not load it by other means.")
+        except ConversionReplaced as exc:
+            error = (f"checkpoint {path} cannot be used on {accelerator.num_processes} processes: {exc}. Use a "
+                     f"--checkpoint-dir only you can write to (chmod go-w), and check the files there")
+        except Exception as exc:  # noqa: BLE001 - DeepSpeed's converter on a file it cannot use: one message
             error = (f"checkpoint {path} cannot be used on {accelerator.num_processes} processes: converting its "
                      f"ZeRO state to DeepSpeed's universal checkpoint failed ({type(exc).__name__}: "
                      f"{(str(exc).splitlines() or [''])[0][:300]}). Relaunch with "
                      f"{manifest['layout']['world_size']} processes.")
     main_process_result(accelerator, (None, error))
-    damage, unsafe = first_rank_problems(accelerator, *_derived_share_problems(accelerator, derived, source))
+    part, problem = _derived_part(held, source)
+    problem = first_rank_problems(accelerator, problem)[0]
+    damage, unsafe = (problem, None) if problem else checked_by_every_rank(accelerator, part)
     if damage or unsafe:
+        part.close()
         fail(accelerator, f"checkpoint {path} cannot be used on {accelerator.num_processes} processes: its "
                           f"converted part {derived}: {damage or unsafe}. Remove {derived} to have it converted "
                           f"again, or relaunch with {manifest['layout']['world_size']} processes.")
-    return derived
+    return part
 
 
-def _derived_share_problems(accelerator, derived, source):
-    """(damage, unsafe) of this rank's share of the converted part, which must be a directory this code wrote
-    from this checkpoint's files."""
+def _derived_part(held, source):
+    """(the converted part, held once verified; None or why it is not a directory this code wrote from this
+    checkpoint's files)."""
+    derived = os.path.join(held.path, DERIVED)
     try:
-        if not stat.S_ISDIR(os.lstat(derived).st_mode):
+        if not stat.S_ISDIR(os.stat(DERIVED, dir_fd=held.root, follow_symlinks=False).st_mode):
             raise ValueError("a symbolic link or a file, not a directory this code writes")
         derived_manifest = read_manifest(derived)
         if derived_manifest.get("derived_from") != source:
             raise ValueError("it was converted from other files than this checkpoint's")
-        return check_share(derived, derived_manifest["files"], accelerator.process_index, accelerator.num_processes)
+        return HeldCheckpoint(derived, derived_manifest["files"], follow=False), None
     except (OSError, ValueError) as exc:
-        return str(exc), None
+        return HeldCheckpoint(derived, {}, follow=False), str(exc)
 
 
-def _convert(path, manifest, source):
-    """Main process: DeepSpeed's ds_to_universal, into .tmp-universal, then published by one rename."""
+def path_names_problem(held):
+    """None, or why the names DeepSpeed's ds_to_universal would join into paths cannot be: every parameter name in
+    the held checkpoint's ZeRO files (the model states' module and parameter shapes, the optimizer states' slice
+    mappings) must be one plain path component, or the conversion would write outside its directory."""
+    with weights_only_loading():
+        for rel in sorted(held.files):
+            if not (rel.startswith("pytorch_model/") and rel.endswith(("_model_states.pt", "_optim_states.pt"))):
+                continue
+            states = torch.load(held.fd_path(rel), map_location="cpu", mmap=True)
+            if not isinstance(states, dict):
+                return f"{rel}: refused (not the state dict DeepSpeed writes)"
+            shared = states.get("shared_params") or {}
+            groups = [states.get("module"), states.get("frozen_param_shapes"), states.get("param_shapes"), shared,
+                      dict.fromkeys(shared.values()) if isinstance(shared, dict) else None,
+                      *_slice_mappings(states)]
+            for group in groups:
+                for part in group if isinstance(group, list) else [group]:
+                    bad = next((n for n in (part if isinstance(part, dict) else {}) if not plain_name(n)), None)
+                    if bad is not None:
+                        return f"{rel}: refused (it names a parameter {str(bad)[:80]!r}, which a model's parameter " \
+                               f"never is: the conversion would write outside its directory)"
+    return None
+
+
+def _slice_mappings(states):
+    optimizer = states.get("optimizer_state_dict")
+    mappings = optimizer.get("param_slice_mappings") if isinstance(optimizer, dict) else None
+    return mappings if isinstance(mappings, list) else []
+
+
+def _convert(held, manifest, source):
+    """Main process: DeepSpeed's ds_to_universal, reading the checkpoint's files this process verified and holds
+    (held.view()), writing only into .tmp-universal, a directory it creates (mode 0700) and holds open (the output
+    path goes through its descriptor, so a link put in its place receives nothing), published by one rename only if
+    .tmp-universal is still that directory; every parameter name checked first (path_names_problem)."""
     from deepspeed.checkpoint import ds_to_universal
 
-    tmp, started = os.path.join(path, DERIVING), time.perf_counter()
-    remove_entry(tmp)  # a conversion a kill interrupted
-    os.mkdir(tmp, 0o700)
-    # Accelerate's DeepSpeed checkpoints lack the universal_checkpoint_info a Megatron client writes; for a
-    # plain data-parallel model its defaults (no tensor-parallel patterns) are right: inject_missing_state.
-    args = argparse.Namespace(input_folder=os.path.join(path, "pytorch_model"),
-                              output_folder=os.path.join(tmp, "pytorch_model"), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    with weights_only_loading():  # ds_to_universal's own torch.load calls ask for weights_only=False
-        ds_to_universal.main(args)
-    files = file_table(tmp, listing(tmp))
-    derived = {"step": manifest["step"], "layout": manifest["layout"], "must_match": manifest["must_match"],
-               "train_state": {}, "derived_from": source, "files": files}
-    write_manifest(tmp, derived)
-    os.replace(tmp, os.path.join(path, DERIVED))
-    fsync(path)
-    print(f"converted {path}'s ZeRO state to DeepSpeed's universal checkpoint in {os.path.join(path, DERIVED)} "
-          f"({len(files)} files, {time.perf_counter() - started:.1f} s): later resumes on another world size "
-          f"reuse it", flush=True)
+    problem = path_names_problem(held)
+    if problem:
+        raise UnsafeCheckpointFile(problem)
+    started, root = time.perf_counter(), held.root
+    _remove_at(root, DERIVING)  # a conversion a kill interrupted, or a planted link
+    os.mkdir(DERIVING, 0o700, dir_fd=root)
+    fd = os.open(DERIVING, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root)
+    try:
+        st = os.fstat(fd)
+        out = f"/proc/{os.getpid()}/fd/{fd}"
+        # Accelerate's DeepSpeed checkpoints lack the universal_checkpoint_info a Megatron client writes; for a
+        # plain data-parallel model its defaults (no tensor-parallel patterns) are right: inject_missing_state.
+        args = argparse.Namespace(input_folder=os.path.join(held.view(), "pytorch_model"),
+                                  output_folder=os.path.join(out, "pytorch_model"), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        with weights_only_loading():  # ds_to_universal's own torch.load calls ask for weights_only=False
+            ds_to_universal.main(args)
+        files = file_table(out, listing(out))
+        write_manifest(out, {"step": manifest["step"], "layout": manifest["layout"], "derived_from": source,
+                             "must_match": manifest["must_match"], "train_state": {}, "files": files})
+        if entry_identity(root, DERIVING) != (st.st_dev, st.st_ino):
+            _empty(fd)
+            raise ConversionReplaced(f"{os.path.join(held.path, DERIVING)} was replaced while this run wrote into "
+                                     f"it (someone else writes into {held.path}); nothing was published")
+        os.replace(DERIVING, DERIVED, src_dir_fd=root, dst_dir_fd=root)
+        os.fsync(root)
+    finally:
+        os.close(fd)
+    print(f"converted {held.path}'s ZeRO state to DeepSpeed's universal checkpoint in "
+          f"{os.path.join(held.path, DERIVED)} ({len(files)} files, {time.perf_counter() - started:.1f} s): later "
+          f"resumes on another world size reuse it", flush=True)
+
+
+def _remove_at(dir_fd, name):
+    """Remove whatever is at `name` in the directory dir_fd: a tree, or a link or file itself (never followed)."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)
+
+
+def _empty(dir_fd):
+    """Give back what a conversion wrote into the directory it holds, wherever that directory went."""
+    for name in os.listdir(dir_fd):
+        _remove_at(dir_fd, name)
 
 
 @contextlib.contextmanager

@@ -101,6 +101,9 @@ def must_match_settings(args, may_change, data_facts):
     return json.loads(json.dumps({**flags, **data_facts}))
 
 
+SHOWN = 4  # differing settings named in incompatibility's one line; the rest are counted
+
+
 def incompatibility(manifest, now, must_match):
     """None, or why a run with layout `now` and settings `must_match` cannot continue from the checkpoint."""
     saved = manifest["layout"]
@@ -110,11 +113,18 @@ def incompatibility(manifest, now, must_match):
     before = manifest["must_match"]
     differ = {k: (before.get(k, "<not set>"), must_match.get(k, "<not set>"))
               for k in sorted(set(before) | set(must_match)) if before.get(k) != must_match.get(k) and k not in RESHAPE}
-    if differ:
-        return "these settings differ from the run that wrote it (saved, now): " + ", ".join(
-            f"{k} {a!r} vs {b!r}"
-            for k, (a, b) in differ.items())
-    return None
+    if not differ:
+        return None
+    shown = ", ".join(f"{k} {_short(a)} vs {_short(b)}" for k, (a, b) in list(differ.items())[:SHOWN])
+    more = f" and {len(differ) - SHOWN} more" if len(differ) > SHOWN else ""
+    # A checkpoint written before manifests named their recipe: flags only one side has mean another recipe.
+    other = " (flags only one of them has: a checkpoint of another recipe?)" if set(before) ^ set(must_match) else ""
+    return f"these settings differ from the run that wrote it (saved, now): {shown}{more}{other}"
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def reshaped(manifest, now):

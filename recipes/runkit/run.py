@@ -137,7 +137,7 @@ class Run:
             # engine, and accelerate refuses a tracker without a logging directory at construction.
             accelerator.log_with = filter_trackers("tensorboard", self.output_dir)
         # The directory's lock first: a second run on it stops in seconds, before it loads data or a model.
-        self.lock = lock_directory(accelerator, self.args.checkpoint_dir) if self.args.checkpoint_dir else None
+        self.lock = lock_directory(accelerator, self.args.checkpoint_dir, self.args.resume, self.name)
 
     @contextlib.contextmanager
     def sharded_init(self, from_pretrained=False):
@@ -179,7 +179,8 @@ class Run:
         self.flops_per_unit, self.peak_tflops = flops_per_unit, peak_tflops
         self.evaluate_fn, self.eval_every = evaluate, eval_every
         must_match = must_match_settings(args, self.may_change, data_facts or {})
-        self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock)
+        self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock,
+                                         self.name)
         chosen = self.checkpointer.choose(args.resume)
         if chosen and chosen[1]["train_state"]["step"] >= total_steps:
             self._already_complete(*chosen)

@@ -9,6 +9,9 @@ its variable is set, for the test that needs it:
   then sleeps, so a test can kill the run while that checkpoint is half-made.
 * TEST_SLOW_LOAD_SECONDS: the same for Accelerator.load_state ("TEST-SHIM: slow load"), so a test
   can kill a rank in the middle of a resume.
+* TEST_SLOW_CONVERT_SECONDS: the same for the universal conversion of a ZeRO checkpoint (resharding.py): at the
+  first fragment DeepSpeed's ds_to_universal saves into its temporary folder, "TEST-SHIM: slow conversion" and a
+  sleep, so a test can change the checkpoint, or the conversion's directory, while the conversion runs.
 * TEST_FAKE_GPUS: a worker sees this many GPUs (torch.cuda reports them; none is usable), to test
   the refusal of more processes than GPUs on a machine without any.
 * TEST_COUNT_SYNCS=DIR: each worker counts, per optimizer step, the calls that make the host wait
@@ -53,6 +56,24 @@ def _slow_load(seconds):
         return result
 
     Accelerator.load_state = slow_load_state
+
+
+def _slow_convert(seconds):
+    import time
+
+    import torch
+
+    save, paused = torch.save, []
+
+    def slow_save(obj, f, *args, **kwargs):
+        result = save(obj, f, *args, **kwargs)
+        if not paused and "pytorch_model/tmp/" in str(f):
+            paused.append(f)
+            print("TEST-SHIM: slow conversion", flush=True)
+            time.sleep(seconds)
+        return result
+
+    torch.save = slow_save
 
 
 def _slow_steps(seconds):
@@ -130,6 +151,8 @@ def _install():
         _slow_steps(float(os.environ["TEST_STEP_SECONDS"]))
     if os.environ.get("TEST_SLOW_SAVE_SECONDS"):
         _slow_save(float(os.environ["TEST_SLOW_SAVE_SECONDS"]))
+    if os.environ.get("TEST_SLOW_CONVERT_SECONDS"):
+        _slow_convert(float(os.environ["TEST_SLOW_CONVERT_SECONDS"]))
     if os.environ.get("TEST_SLOW_LOAD_SECONDS"):
         _slow_load(float(os.environ["TEST_SLOW_LOAD_SECONDS"]))
     route = os.path.join(os.path.dirname(__file__), "..", "..", "cpu_route", "sitecustomize.py")
