@@ -11,6 +11,7 @@ test_finetune_data.py.
 """
 
 import json
+import re
 import shutil
 import sys
 
@@ -25,6 +26,7 @@ from launching import (
     FINETUNE_STEPS,
     LORA_PRECISION,
     OFFLOAD,
+    REPO,
     LaunchResult,
     finetune_args,
     run_command,
@@ -32,6 +34,7 @@ from launching import (
 from run_checks import assert_engine, assert_refused, assert_shards_held
 from tiny_hf import corpus, uneven_pairs
 
+sys.path.insert(0, str(REPO / "recipes"))
 STEPS, BATCH, BLOCK = FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_BLOCK
 
 
@@ -52,7 +55,7 @@ def reloaded_logprobs(model_dir, summary):
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIG_FILES)  # the *_compile.yaml ones too
 def test_finetune_under_every_config(finetune, config):
-    run = finetune(config)
+    run = finetune(config, env=GRAPH_CODE if config == "1gpu_compile.yaml" else None)
     s = run.summary
     assert_engine(s, config)
     assert s["steps"] == STEPS and s["data_format"] == "pairs" and s["exported_dtype"] == "float32"
@@ -229,3 +232,185 @@ def test_each_input_error_is_one_clear_message(finetune, hf, tmp_path):
     big = finetune("deepspeed_zero3.yaml", model="big", check=False,
                    launch_args=("--mixed_precision", "no", "--zero3_init_flag", "false"))
     assert_refused(big, "Set zero3_init_flag: true")
+
+
+# finetune_lm.py under two watches, for the attention tests below: transformers' packed-sequence check
+# (masking_utils.find_packed_sequence_indices, whose `.all()` on a device tensor is a host sync in every forward)
+# must not be reached outside compilation, and what PyTorch's SDPA receives is written to OUTPUT_DIR/sdpa.json.
+WATCH = """
+import atexit, json, os, runpy, sys
+import torch
+import transformers.masking_utils as masking
+
+calls, first_mask = {}, []
+real_check, real_sdpa = masking.find_packed_sequence_indices, torch.nn.functional.scaled_dot_product_attention
+
+
+def check(position_ids):
+    if not torch.compiler.is_compiling():
+        raise RuntimeError("WATCH: find_packed_sequence_indices reached outside compilation (a host sync)")
+    return real_check(position_ids)
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+    kind = "none" if attn_mask is None else f"{attn_mask.dtype} {list(attn_mask.shape)}"
+    calls[f"{kind} causal={is_causal}"] = calls.get(f"{kind} causal={is_causal}", 0) + 1
+    if attn_mask is not None and not first_mask and query.requires_grad:
+        first_mask.append(attn_mask[0, 0].tolist())
+    return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+
+def dump():
+    out = sys.argv[sys.argv.index("--output-dir") + 1]
+    with open(os.path.join(out, "sdpa.json"), "w") as f:
+        json.dump({"calls": calls, "first_mask": first_mask[0] if first_mask else None}, f)
+
+
+masking.find_packed_sequence_indices = check
+torch.nn.functional.scaled_dot_product_attention = sdpa
+atexit.register(dump)
+sys.argv[0] = "recipes/finetune_lm.py"
+sys.path.insert(0, "recipes")
+runpy.run_path("recipes/finetune_lm.py", run_name="__main__")
+"""
+# Dynamo prints the graphs it compiles: each SDPA call with its arguments.
+GRAPH_CODE = {"TORCH_LOGS": "graph_code"}
+
+
+def sdpa_in_graphs(output):
+    """(attn_mask, is_causal) of every SDPA call in the graphs dynamo compiled (TORCH_LOGS=graph_code)."""
+    return re.findall(r"scaled_dot_product_attention\(.*?attn_mask = (\w+).*?is_causal = (\w+)", output)
+
+
+def assert_block_diagonal(mask):
+    """Each position attends to itself and the positions before it in its own example, and nothing else: its row
+    is one run of True from its example's first position to itself, and an example starts where the last ended."""
+    start = 0
+    for q, row in enumerate(mask):
+        allowed = [k for k, a in enumerate(row) if a]
+        if allowed[0] == q:
+            start = q  # a new example (or the padding after the last one) starts here
+        assert allowed == list(range(start, q + 1)), (q, allowed)
+    assert any(row.index(True) > 0 for row in mask), "one example per block: nothing was packed"
+
+
+@pytest.fixture(scope="module")
+def watch(hf):
+    path = hf / "watched_finetune_lm.py"
+    path.write_text(WATCH)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_no_host_sync_in_eager_steps(finetune, watch):
+    """Issue 32, item 2: the model is given what it needs to never look for packed sequences itself (a host sync
+    per forward on a GPU): an eager run never reaches find_packed_sequence_indices, and SDPA gets the
+    block-diagonal causal mask of the packed pairs in training and evaluation."""
+    run = finetune("cpu.yaml", recipe=watch, check=False)
+    assert run.returncode == 0 and "WATCH" not in run.output, run.output[-3000:]
+    seen = json.loads((run.out_dir / "sdpa.json").read_text())
+    micro = f"torch.bool [{BATCH}, 1, {BLOCK}, {BLOCK}] causal=False"
+    assert seen["calls"].get(micro, 0) > 0, seen["calls"]
+    assert_block_diagonal(seen["first_mask"])
+    assert run.summary["final_loss"] == finetune("cpu.yaml").summary["final_loss"]  # the watch changes nothing
+
+
+@pytest.mark.slow
+def test_compiled_attention_is_causal_without_a_mask_where_nothing_is_packed(finetune):
+    """Issue 32, item 2: under torch.compile transformers' packed-sequence check always answers "packed" and
+    builds a mask; here SDPA gets none and is_causal (the flash kernel on a GPU) where examples are not packed
+    (plain text), and the block-diagonal mask where they are (the pairs)."""
+    text = finetune("1gpu_compile.yaml", data="text.txt", env=GRAPH_CODE)
+    calls = sdpa_in_graphs(text.output)
+    assert calls and set(calls) == {("None", "True")}, calls
+    packed = finetune("1gpu_compile.yaml", env=GRAPH_CODE)
+    calls = sdpa_in_graphs(packed.output)
+    assert calls and all(mask != "None" and causal == "False" for mask, causal in calls), calls
+
+
+def per_position_losses(model, block, given_mask):
+    """The next-token loss at each position of one block, from what the recipe gives the model."""
+    from finetune_lm import model_inputs
+    batch = {k: torch.tensor([v]) for k, v in block.items() if k in ("input_ids", "labels", "position_ids")}
+    with torch.no_grad():
+        logits = model(**model_inputs(batch, given_mask)).logits[0, :-1]
+    return F.cross_entropy(logits, batch["input_ids"][0, 1:], reduction="none")
+
+
+@pytest.mark.parametrize("attention", ["given mask", "the model's own"])
+def test_a_packed_example_attends_only_to_itself(hf, attention):
+    """Three examples packed in one block: changing the middle one changes its own losses and no other's, and each
+    example's losses are those it has alone in a block (its positions restart at 0). Both ways the recipe runs
+    attention: the block-diagonal mask it gives (packing.GIVEN_MASK), and for models with a sliding window
+    shorter than the block, transformers' own masks built from the positions."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune_data.packing import GIVEN_MASK, pack_blocks
+    implementation = GIVEN_MASK if attention == "given mask" else None
+    if implementation:
+        from finetune_data.packing import attention_implementation
+        assert attention_implementation(AutoModelForCausalLM.from_pretrained(hf / "model").config, 64) == GIVEN_MASK
+    model = AutoModelForCausalLM.from_pretrained(hf / "model", attn_implementation=implementation).eval()
+    model.config.use_cache = False  # as the recipe trains: with a cache, transformers looks for no packing
+    generator = torch.Generator().manual_seed(0)
+    examples = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (14, 20, 17)]
+    changed = [examples[0], torch.randint(3, 300, (20,), generator=generator).tolist(), examples[2]]
+    pack = pack_blocks(block_size=64, pad_id=2)
+    blocks = [pack({"input_ids": e, "labels": e}) for e in (examples, changed)]
+    assert all(len(b["input_ids"]) == 1 and b["examples"] == [3] for b in blocks)
+    before, after = (per_position_losses(model, {k: v[0] for k, v in b.items()}, implementation is not None)
+                     for b in blocks)
+    order = [20, 17, 14]  # longest first: the middle example is first in the block
+    spans = dict(zip(order, [(0, 20), (20, 37), (37, 51)]))
+    first, middle, last = spans[14], spans[20], spans[17]
+    for start, end in (first, last):  # an example's losses: its own tokens after its first one
+        assert torch.allclose(before[start:end - 1], after[start:end - 1], atol=1e-6, rtol=0)
+    assert not torch.allclose(before[middle[0]:middle[1] - 1], after[middle[0]:middle[1] - 1])
+    for example, (start, end) in zip(examples, (first, middle, last)):
+        alone = pack({"input_ids": [example], "labels": [example]})
+        own = per_position_losses(model, {k: v[0] for k, v in alone.items()}, implementation is not None)
+        assert torch.allclose(before[start:end - 1], own[:end - start - 1], atol=1e-5, rtol=0)
+
+
+def test_lora_adapters_compute_in_the_compute_dtype(hf):
+    """LoRA's adapters keep fp32 weights (the optimizer's), and under autocast take their bf16 input as it comes:
+    PEFT's default would copy it to fp32 for autocast to cast it back. The logits are exactly PEFT's default ones.
+    Where no autocast runs (DeepSpeed in bf16), the adapters are bf16 themselves and give the same to bf16
+    rounding. The default dropout is 0 (it copies every adapted layer's input)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune_lm import parse_args
+    from lora.adapters import with_lora
+    args = parse_args(["--model", str(hf / "model"), "--lora-r", "4"])
+    assert args.lora_dropout == 0
+    base = AutoModelForCausalLM.from_pretrained(hf / "model", dtype=torch.bfloat16)
+    ours = with_lora(copy.deepcopy(base), args)
+    default = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    engine_cast = with_lora(copy.deepcopy(base), args, adapter_dtype=torch.bfloat16)
+    for model in (ours, default, engine_cast):
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))).to(p.dtype) / 8
+    assert {p.dtype for n, p in ours.named_parameters() if "lora_" in n} == {torch.float32}
+    assert {p.dtype for n, p in engine_cast.named_parameters() if "lora_" in n} == {torch.bfloat16}
+    seen = {}
+
+    def input_dtype(name):
+        def hook(module, inputs):
+            seen.setdefault(name, inputs[0].dtype)
+        return hook
+    for name, model in (("ours", ours), ("default", default)):
+        next(m for m in model.modules() if hasattr(m, "lora_A")).lora_A["default"].register_forward_pre_hook(
+            input_dtype(name))
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, reference = ours(input_ids=ids).logits, default(input_ids=ids).logits
+    assert seen == {"ours": torch.bfloat16, "default": torch.float32}
+    assert torch.equal(logits, reference)
+    with torch.no_grad():  # no autocast: bf16 adapters on a bf16 base
+        cast = engine_cast(input_ids=ids).logits
+    assert torch.allclose(cast.float(), reference.float(), atol=0.1, rtol=0.05)
