@@ -32,7 +32,7 @@ from launching import (
     run_command,
 )
 from run_checks import assert_engine, assert_refused, assert_shards_held
-from tiny_hf import corpus, uneven_pairs
+from tiny_hf import conversations, corpus, uneven_pairs
 
 sys.path.insert(0, str(REPO / "recipes"))
 STEPS, BATCH, BLOCK = FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_BLOCK
@@ -414,3 +414,58 @@ def test_lora_adapters_compute_in_the_compute_dtype(hf):
     with torch.no_grad():  # no autocast: bf16 adapters on a bf16 base
         cast = engine_cast(input_ids=ids).logits
     assert torch.allclose(cast.float(), reference.float(), atol=0.1, rtol=0.05)
+
+
+# Packed and padded runs that train on exactly the same tokens: one optimizer step is one epoch, every training
+# example (all the padded blocks, all the packed ones), so each step's token-weighted loss, its gradient and the
+# evaluation of the same held-out examples agree whatever the blocks hold. (format, config, extra flags)
+SAME_LOSS_CASES = {"pairs, one process": ("pairs", "cpu.yaml", ()),
+                   "chat, --grad-accum 2, LoRA": ("chat", "cpu.yaml", ("--grad-accum", "2", "--lora-r", "4")),
+                   "pairs, 2 processes, --grad-accum 2, LoRA": ("pairs", "2gpu.yaml",
+                                                                 ("--grad-accum", "2", "--lora-r", "4"))}
+
+
+def whole_epoch_data(hf, fmt):
+    """A data file of pairs or chats whose training examples and packed blocks are both a multiple of 4 (2 processes
+    × 2 micro-batches), and those two counts: the facts the recipe itself will find (the same load_examples)."""
+    from transformers import AutoTokenizer
+
+    from finetune_data.examples import load_examples
+    from finetune_lm import parse_args
+    tok, path = AutoTokenizer.from_pretrained(hf / "model"), hf / f"whole_epoch_{fmt}.jsonl"
+    for n in range(60, 120):
+        records = ([{"prompt": p, "response": r} for p, r in uneven_pairs(n)] if fmt == "pairs"
+                   else [{"messages": m} for m in conversations(n)])
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        counts = []
+        for flag in ("--no-packing", "--packing"):
+            args = parse_args(["--model", str(hf / "model"), "--data-files", str(path), flag])
+            counts.append(load_examples(args, tok, BLOCK, 1000).facts["train_blocks"])
+        if all(c % 4 == 0 for c in counts):
+            return path.name, counts
+    raise AssertionError("no size found")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SAME_LOSS_CASES)
+def test_packed_and_padded_give_the_same_loss(finetune, hf, case):
+    """Issue 34, item 5: the same tokens in packed blocks or one example per padded block give the same loss at
+    every step and the same validation loss (positions restart at 0, nothing attends across an example's edge,
+    the loss is the token-weighted mean over the optimizer step)."""
+    fmt, config, extra = SAME_LOSS_CASES[case]
+    data, (padded_blocks, packed_blocks) = whole_epoch_data(hf, fmt)
+    assert packed_blocks < padded_blocks
+    runs = {}
+    for flag, blocks in (("--no-packing", padded_blocks), ("--packing", packed_blocks)):
+        runs[flag] = finetune(config, flag, *extra, "--batch-size", str(blocks), "--max-steps", "3",
+                              "--eval-every", "1", "--eval-batches", "1", data=data)
+    padded, packed = runs["--no-packing"], runs["--packing"]
+    assert packed.summary["train_examples"] == padded.summary["train_examples"]
+    assert packed.summary["padding_share"] < padded.summary["padding_share"]
+    assert packed.summary["examples_per_block"] > 1 == padded.summary["examples_per_block"]
+    losses = [[m["loss"] for m in run.metrics if "loss" in m] for run in (padded, packed)]
+    assert len(losses[0]) == 3 and losses[0][0] > losses[0][-1]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    evals = [[json.loads(line)["val_loss"] for line in (run.out_dir / "eval.jsonl").read_text().splitlines()]
+             for run in (padded, packed)]
+    assert len(evals[0]) == 3 and evals[1] == pytest.approx(evals[0], rel=1e-4)
