@@ -20,14 +20,20 @@ under FSDP2 prepare() shards the main process's copy. The summary has the loadin
 Data through `datasets` (finetune_data/examples.py): --data-files (text or JSON Lines, globs) or --dataset
 (hub); --format auto reads the columns: conversations are chat (the loss on the assistant turns and their
 end-of-turn tokens), prompt/response records are pairs (the loss on the response and its end), plain text is
-packed. Examples are padded to --block-size (default: the model's context, at most 1024); labels are set by
-position, so padding never counts; the first line and the summary count the examples --block-size cut or
-dropped. The result, OUTPUT_DIR/model, is save_pretrained (safetensors) with the tokenizer, gathered from
-every rank. tokens/s counts every position (padding too); MFU: --peak-tflops. The loss is the mean over
-every loss token of the whole optimizer step (all micro-batches, all ranks): 1 process, --grad-accum and N
-processes agree. LoRA (--lora-r, through PEFT: lora/adapters.py): the base frozen in the dtype it is loaded
-in (the config's compute dtype), fp32 adapters alone in the optimizer, OUTPUT_DIR/adapter in PEFT's format,
---merge-lora also OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2.
+cut into blocks. Pairs and chats are packed several to a block of --block-size tokens (default: the model's
+context, at most 1024), each attending only to itself with its positions restarting at 0 (--no-packing: one
+per block, padded; finetune_data/packing.py); labels are set by position, so padding never counts; the
+first line and the summary give the padding share, the examples per block and the examples --block-size cut
+or dropped. The model gets its attention mask from the recipe (none, and SDPA's is_causal, unless examples
+are packed): no host sync in a step, compiled or not. The result, OUTPUT_DIR/model, is save_pretrained
+(safetensors) with the tokenizer, gathered from every rank. tokens/s and MFU (--peak-tflops) count real
+tokens, not padding. The loss is the mean over every loss token of the whole optimizer step (all
+micro-batches, all ranks): 1 process, --grad-accum, N processes, packed and padded agree. LoRA (--lora-r,
+through PEFT: lora/adapters.py): the base frozen in the dtype it is loaded in (the config's compute dtype),
+adapters with fp32 weights computing in the compute dtype, alone in the optimizer, dropout 0 by default,
+one ZeRO-3 leaf module per decoder layer; OUTPUT_DIR/adapter in PEFT's format, --merge-lora also
+OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2. The default OUTPUT_DIR is
+runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA and -padded for --no-packing.
 
 Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
 fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3
@@ -49,7 +55,13 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast, set_seed
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    broadcast,
+    set_seed,
+)
 from torch.utils.data import DataLoader
 
 from finetune_data.examples import IGNORE, DataProblem, add_data_args, cut_note, load_examples
@@ -197,7 +209,8 @@ def zero3_lora_note(args, run, accelerator, n_params, dtype):
     if not (args.lora_r and run.engine_facts["deepspeed_stage"] == 3 and accelerator.device.type == "cuda"):
         return
     base_gb = n_params * dtype.itemsize / 1e9
-    gpu_gb = torch.cuda.get_device_properties(accelerator.device).total_memory / 1e9
+    index = accelerator.device.index if accelerator.device.index is not None else torch.cuda.current_device()
+    gpu_gb = torch.cuda.get_device_properties(index).total_memory / 1e9  # one process: "cuda", no index
     if base_gb < gpu_gb / 2:
         run.print(f"note: LoRA's frozen base ({base_gb:.1f} GB) fits one GPU ({gpu_gb:.0f} GB): 1gpu.yaml, 2gpu.yaml "
                   f"or deepspeed_zero2.yaml keep it whole and gather nothing (docs/configs.md)")
@@ -327,7 +340,10 @@ def main(argv=None):
     config, n_params, tokenizer, error = load_config_and_tokenizer(args.model)
     # Before from_pretrained: transformers reads ZeRO-3's settings from the Accelerator to load partitioned.
     accelerator = Accelerator(  # accelerate
-        gradient_accumulation_steps=args.grad_accum,
+        # Gradients sync every --grad-accum micro-batches, never at the loader's end: with_step_tokens reads a whole
+        # step ahead, so the loader's end-of-data flag is up before the epoch's last step has begun (that step was
+        # then cut in two). runkit feeds whole steps only, and sets the counter on resume.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.grad_accum, sync_with_dataloader=False),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
         # non_blocking with pinned batches: the copy to the GPU is queued, the host does not wait for the GPU
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, non_blocking=True))
@@ -347,9 +363,7 @@ def main(argv=None):
     micro = args.batch_size // args.grad_accum
     pin = accelerator.device.type == "cuda"
     train_loader = DataLoader(data.train, batch_size=micro, shuffle=True, drop_last=True, pin_memory=pin)
-    # The evaluated examples, read to the end: a loader left part-read stays accelerate's active one, and its
-    # end-of-data flag would then decide when gradients sync (every micro-batch, with --grad-accum).
-    # accelerate fills a short last batch: shapes stay static
+    # The evaluated examples, read to the end; accelerate fills a short last batch: shapes stay static
     val_loader = DataLoader(data.validation, batch_size=micro, pin_memory=pin)
     optimizer = adamw(trainable, args)
     steps_per_epoch = len(train_loader) // args.grad_accum
