@@ -30,10 +30,11 @@ are packed): no host sync in a step, compiled or not. The result, OUTPUT_DIR/mod
 tokens, not padding. The loss is the mean over every loss token of the whole optimizer step (all
 micro-batches, all ranks): 1 process, --grad-accum, N processes, packed and padded agree. LoRA (--lora-r,
 through PEFT: lora/adapters.py): the base frozen in the dtype it is loaded in (the config's compute dtype),
-adapters with fp32 weights computing in the compute dtype, alone in the optimizer, dropout 0 by default,
-one ZeRO-3 leaf module per decoder layer; OUTPUT_DIR/adapter in PEFT's format, --merge-lora also
-OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2. The default OUTPUT_DIR is
-runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA and -padded for --no-packing.
+adapters with fp32 weights computing in the compute dtype, alone in the optimizer, dropout 0 by default
+(under ZeRO-3 on GPUs that hold the frozen base, a note names the faster configs); OUTPUT_DIR/adapter in
+PEFT's format, --merge-lora also OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2.
+The default OUTPUT_DIR is runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA and -padded for
+--no-packing.
 
 Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
 fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3
@@ -196,8 +197,7 @@ def load_model(args, run, accelerator, attention):
     if args.lora_r:
         deepspeed = run.engine_facts["distributed_type"] == "DEEPSPEED"
         try:  # DeepSpeed runs no autocast: its adapters compute in the dtype they are in
-            model = with_lora(model, args, adapter_dtype=dtype if deepspeed and dtype != torch.float32 else None,
-                              zero3=run.engine_facts["deepspeed_stage"] == 3)
+            model = with_lora(model, args, adapter_dtype=dtype if deepspeed and dtype != torch.float32 else None)
         except LoraProblem as exc:
             run.fail(str(exc))
     return model, dtype

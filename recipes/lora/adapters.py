@@ -3,9 +3,9 @@
 Owns finetune_lm.py's LoRA: its flags (add_lora_args) and the refusal of LoRA flags given without --lora-r
 (flags_without_rank), the model wrapped by PEFT on the --lora-targets linear layers (with_lora, raising
 LoraProblem with one message for targets the model does not have or that are not linear layers), how the
-adapters compute (in the compute dtype: see with_lora) and how ZeRO-3 hooks them (one decoder layer at a time:
-zero3_whole_layers), and the base model's weights with the adapters merged in (merge_adapters), computed from
-the exported state dict, which holds every rank's shards gathered. It makes no distributed call.
+adapters compute (in the compute dtype: see with_lora), and the base model's weights with the adapters merged
+in (merge_adapters), computed from the exported state dict, which holds every rank's shards gathered. It makes
+no distributed call.
 """
 
 import torch
@@ -43,7 +43,7 @@ def flags_without_rank(args, argv):
             f"this run is a full fine-tune that trains none: add --lora-r (16, say), or drop {' and '.join(given)}")
 
 
-def with_lora(model, args, adapter_dtype=None, zero3=False):
+def with_lora(model, args, adapter_dtype=None):
     """The model wrapped by PEFT: every base parameter frozen in the dtype it was loaded in, LoRA adapters on
     the --lora-targets linear layers, trainable. They compute in the compute dtype, and their master weights and
     optimizer state stay fp32: PEFT keeps them in fp32 (autocast_adapter_dtype) and would cast each adapted
@@ -51,7 +51,7 @@ def with_lora(model, args, adapter_dtype=None, zero3=False):
     FSDP2's mixed precision) computes them in bf16 anyway, to the same results; so the input stays as it comes.
     Where no autocast runs (DeepSpeed in bf16 or fp16) adapter_dtype is that dtype: the adapters are cast to it,
     and DeepSpeed keeps their fp32 master copy (ZeRO-1/2 cast them anyway; ZeRO-3 with zero.Init does not).
-    zero3: under ZeRO-3 each decoder layer is one leaf module (zero3_whole_layers). Raises LoraProblem."""
+    Raises LoraProblem."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
     targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
@@ -75,20 +75,7 @@ def with_lora(model, args, adapter_dtype=None, zero3=False):
         for parameter in model.parameters():
             if parameter.requires_grad:
                 parameter.data = parameter.data.to(adapter_dtype)
-    if zero3:
-        zero3_whole_layers(model)
     return model
-
-
-def zero3_whole_layers(model):
-    """Make each decoder layer (the model's _no_split_modules, FSDP2's units too) one ZeRO-3 leaf module: its
-    parameters gathered in one go before its forward and its backward, and hooks on it alone. Without, ZeRO-3
-    hooks every submodule, and LoRA turns each adapted linear layer into five (the base layer, A, B and their
-    containers): several hundred hooks per step on a 1B model, each a gather and a release."""
-    from deepspeed.utils import set_z3_leaf_modules
-    layers = sorted(set(getattr(model.get_base_model(), "_no_split_modules", None) or []))
-    if layers:
-        set_z3_leaf_modules(model, layers, raise_if_not_found=False)
 
 
 def merge_adapters(weights, peft_model):
