@@ -20,14 +20,21 @@ under FSDP2 prepare() shards the main process's copy. The summary has the loadin
 Data through `datasets` (finetune_data/examples.py): --data-files (text or JSON Lines, globs) or --dataset
 (hub); --format auto reads the columns: conversations are chat (the loss on the assistant turns and their
 end-of-turn tokens), prompt/response records are pairs (the loss on the response and its end), plain text is
-packed. Examples are padded to --block-size (default: the model's context, at most 1024); labels are set by
-position, so padding never counts; the first line and the summary count the examples --block-size cut or
-dropped. The result, OUTPUT_DIR/model, is save_pretrained (safetensors) with the tokenizer, gathered from
-every rank. tokens/s counts every position (padding too); MFU: --peak-tflops. The loss is the mean over
-every loss token of the whole optimizer step (all micro-batches, all ranks): 1 process, --grad-accum and N
-processes agree. LoRA (--lora-r, through PEFT: lora/adapters.py): the base frozen in the dtype it is loaded
-in (the config's compute dtype), fp32 adapters alone in the optimizer, OUTPUT_DIR/adapter in PEFT's format,
---merge-lora also OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2.
+cut into blocks. Pairs and chats are packed several to a block of --block-size tokens (default: the model's
+context, at most 1024), each attending only to itself with its positions restarting at 0 (--no-packing: one
+per block, padded; finetune_data/packing.py); labels are set by position, so padding never counts; the
+first line and the summary give the padding share, the examples per block and the examples --block-size cut
+or dropped. The model gets its attention mask from the recipe (none, and SDPA's is_causal, unless examples
+are packed): no host sync in a step, compiled or not. The result, OUTPUT_DIR/model, is save_pretrained
+(safetensors) with the tokenizer, gathered from every rank. tokens/s and MFU (--peak-tflops) count real
+tokens, not padding. The loss is the mean over every loss token of the whole optimizer step (all
+micro-batches, all ranks): 1 process, --grad-accum, N processes, packed and padded agree. LoRA (--lora-r,
+through PEFT: lora/adapters.py): the base frozen in the dtype it is loaded in (the config's compute dtype),
+adapters with fp32 weights computing in the compute dtype, alone in the optimizer, dropout 0 by default
+(under ZeRO-3 on GPUs that hold the frozen base, a note names the faster configs); OUTPUT_DIR/adapter in
+PEFT's format, --merge-lora also OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2.
+The default OUTPUT_DIR is runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA and -padded for
+--no-packing.
 
 Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
 fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3
@@ -42,18 +49,27 @@ import functools
 import itertools
 import math
 import os
+import re
 import sys
 from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast, set_seed
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    broadcast,
+    set_seed,
+)
 from torch.utils.data import DataLoader
 
 from finetune_data.examples import IGNORE, DataProblem, add_data_args, cut_note, load_examples
-from lora.adapters import LoraProblem, add_lora_args, merge_adapters, with_lora
+from finetune_data.packing import attention_implementation, block_causal_mask, blocks_note
+from lora.adapters import LoraProblem, add_lora_args, flags_without_rank, merge_adapters, with_lora
 from runkit import Run, add_run_args
+from runkit.engines import run_label
 
 # Flags a resumed run may change: they act after training or only on what is reported.
 AFTER_TRAINING = {"sample_tokens": "the answer at the end", "save_dtype": "the exported model",
@@ -61,9 +77,22 @@ AFTER_TRAINING = {"sample_tokens": "the answer at the end", "save_dtype": "the e
                   "timeout": "how long a collective may wait"}
 
 
+# A hub id: a name, or an organisation and a name. Anything else given to --model is a path.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+class DefaultOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """--help gives each flag's default once: argparse's "(default: ...)", unless the help says it already or the
+    default is None (the help says what happens then)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False, formatter_class=DefaultOnce)
     p.add_argument("--model", default="Qwen/Qwen2.5-0.5B",
                    help="hub id, or a local directory written by save_pretrained")
     add_data_args(p)  # --data-files or --dataset, --format and the columns (finetune_data/examples.py)
@@ -77,9 +106,10 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (0: no clipping)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
-    add_lora_args(p)  # --lora-r and the adapters' settings (lora/adapters.py)
+    add_lora_args(p)  # --lora-r and the adapters' settings (lora/adapters.py); OUTPUT_DIR gets -lora-r<R>
     p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
-    p.add_argument("--eval-batches", type=int, default=10, help="global batches of held-out data per evaluation")
+    p.add_argument("--eval-batches", type=int, default=10,
+                   help="held-out examples per evaluation: this many global batches of them (packed, in fewer blocks)")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="peak TFLOP/s of ONE GPU, for MFU (H100 SXM bf16: 989)")
     p.add_argument("--sample-tokens", type=int, default=32,
@@ -99,17 +129,29 @@ def load_config_and_tokenizer(name):
     """(config, parameter count, tokenizer, error), before any weight is read. Called before the Accelerator
     exists: under ZeRO-3 transformers would partition even a model on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # here: --help stays quick
+    path = os.path.expanduser(name)
+    if not os.path.isdir(path) and not HUB_ID.fullmatch(name):
+        return None, 0, None, (f"--model {name!r}: no such directory. Give a directory written by save_pretrained "
+                               f"(config.json, the weights and the tokenizer), or a hub id such as Qwen/Qwen2.5-0.5B")
     try:
-        config, tokenizer = AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+        config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
         if tokenizer.eos_token_id is None:
             raise ValueError("its tokenizer has no end-of-sequence token, which marks where a response ends")
         with torch.device("meta"):
             n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         return config, n_params, tokenizer, None
     except (OSError, ValueError) as exc:
-        return None, 0, None, (f"cannot load model {name!r} ({str(exc).splitlines()[0]}). Offline, give a local "
-                               f"directory written by save_pretrained, or download it first on a machine with "
+        local = "" if os.path.isdir(path) else ", and there is no local directory of that name"
+        return None, 0, None, (f"cannot load model {name!r} ({str(exc).splitlines()[0]}{local}). Offline, give a "
+                               f"local directory written by save_pretrained, or download it first on a machine with "
                                f"internet (hf download)")
+
+
+def default_output_dir(args, accelerator):
+    """runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA and -padded for --no-packing: runs that train
+    differently keep their own results."""
+    label = run_label(accelerator) + (f"-lora-r{args.lora_r}" if args.lora_r else "")
+    return os.path.join("runs", "finetune_lm", label + ("" if args.packing else "-padded"))
 
 
 def check_block_size(args, config, run):
@@ -122,11 +164,11 @@ def check_block_size(args, config, run):
 
 
 def load_data(args, run, accelerator, tokenizer):
-    """finetune_data's examples (train, validation, format, source, cuts), block_size tokens each."""
+    """finetune_data's blocks of block_size tokens (train, validation, sample, format, source, cuts, facts)."""
     problem = None
     with accelerator.main_process_first():  # the main process tokenises and caches; the others reuse its cache
         try:  # a problem is reported after the block, by every rank: a rank leaving inside it strands the others
-            examples = load_examples(args, tokenizer, args.block_size)
+            examples = load_examples(args, tokenizer, args.block_size, args.eval_batches * args.batch_size)
         except DataProblem as exc:
             problem = str(exc)
     if problem:
@@ -134,9 +176,10 @@ def load_data(args, run, accelerator, tokenizer):
     return examples
 
 
-def load_model(args, run, accelerator):
+def load_model(args, run, accelerator, attention):
     """(model, dtype of its frozen weights): the pretrained weights, loaded partitioned under ZeRO-3 and sharded
-    from the main process's copy under FSDP2; LoRA adapters on top with --lora-r."""
+    from the main process's copy under FSDP2, with the attention implementation `attention` (packing.py); LoRA
+    adapters on top with --lora-r."""
     from transformers import AutoModelForCausalLM
     # A full fine-tune keeps fp32 master weights; LoRA's frozen base needs none, so it loads in the compute dtype.
     dtype = torch.float32
@@ -144,18 +187,33 @@ def load_model(args, run, accelerator):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     try:
         with run.sharded_init(from_pretrained=True):  # ZeRO-3: partitioned while loaded; FSDP2: main's copy sharded
-            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=dtype,
+                                                         attn_implementation=attention)
     except (OSError, ValueError) as exc:
         run.fail(f"cannot load the weights of {args.model!r}: {str(exc).splitlines()[0]}")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # no generation cache while training
     if args.lora_r:
-        try:
-            model = with_lora(model, args)
+        deepspeed = run.engine_facts["distributed_type"] == "DEEPSPEED"
+        try:  # DeepSpeed runs no autocast: its adapters compute in the dtype they are in
+            model = with_lora(model, args, adapter_dtype=dtype if deepspeed and dtype != torch.float32 else None)
         except LoraProblem as exc:
             run.fail(str(exc))
     return model, dtype
+
+
+def zero3_lora_note(args, run, accelerator, n_params, dtype):
+    """Under ZeRO-3 with LoRA on GPUs that can each hold the frozen base: one line on the configs that do not
+    gather it layer by layer in every forward and backward (docs/configs.md)."""
+    if not (args.lora_r and run.engine_facts["deepspeed_stage"] == 3 and accelerator.device.type == "cuda"):
+        return
+    base_gb = n_params * dtype.itemsize / 1e9
+    index = accelerator.device.index if accelerator.device.index is not None else torch.cuda.current_device()
+    gpu_gb = torch.cuda.get_device_properties(index).total_memory / 1e9  # one process: "cuda", no index
+    if base_gb < gpu_gb / 2:
+        run.print(f"note: LoRA's frozen base ({base_gb:.1f} GB) fits one GPU ({gpu_gb:.0f} GB): 1gpu.yaml, 2gpu.yaml "
+                  f"or deepspeed_zero2.yaml keep it whole and gather nothing (docs/configs.md)")
 
 
 def adamw(trainable, args):
@@ -179,12 +237,14 @@ def warmup_cosine(optimizer, args):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def flops_per_token(config, n_params, trained, args):
-    """6 per weight in a matmul (the input embedding is a lookup) plus attention's 12 L d T. LoRA's frozen
-    weights get no weight gradient: 4 each (forward, and the gradient of their input), 6 per adapter weight."""
+def flops_per_token(config, n_params, trained, args, span):
+    """6 per weight in a matmul (the input embedding is a lookup) plus attention's 12 L d T, with T the
+    token-weighted length of what a token attends over (an example's, when examples are kept apart; the block,
+    for text). LoRA's frozen weights get no weight gradient: 4 each (forward, and the gradient of their input),
+    6 per adapter weight."""
     embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     matmul = 6 * (n_params - embedding) if not args.lora_r else 4 * (n_params - embedding) + 6 * trained
-    return matmul + 12 * config.num_hidden_layers * config.hidden_size * args.block_size
+    return matmul + 12 * config.num_hidden_layers * config.hidden_size * span
 
 
 def token_losses(logits, labels):
@@ -193,6 +253,18 @@ def token_losses(logits, labels):
     losses = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], ignore_index=IGNORE,
                              reduction="none")
     return losses.sum(dim=1), (labels[:, 1:] != IGNORE).sum(dim=1)
+
+
+def model_inputs(batch, given_mask):
+    """What the model is given for a batch of blocks: the tokens; for packed blocks also their positions, which
+    restart at 0 in each example, and (given_mask) the block-diagonal causal mask that keeps each example to
+    itself (finetune_data/packing.py). Padded blocks and text: the tokens alone, and causal attention."""
+    inputs = {"input_ids": batch["input_ids"]}
+    if "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"]
+        if given_mask:
+            inputs["attention_mask"] = block_causal_mask(batch["position_ids"])
+    return inputs
 
 
 def with_step_tokens(batches, accelerator, grad_accum):
@@ -206,14 +278,14 @@ def with_step_tokens(batches, accelerator, grad_accum):
             yield batch, tokens
 
 
-def evaluate(model, loader, accelerator):
+def evaluate(model, loader, accelerator, given_mask):
     """Mean next-token loss per loss token over the held-out examples in the loader: the training loss's
     definition."""
     model.eval()
     total = count = 0
     with torch.no_grad():
         for batch in loader:
-            losses, tokens = token_losses(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+            losses, tokens = token_losses(model(**model_inputs(batch, given_mask)).logits, batch["labels"])
             # accelerate: drops the examples repeated to fill the last batch
             losses, tokens = accelerator.gather_for_metrics((losses, tokens))
             total, count = total + losses.sum(), count + tokens.sum()
@@ -268,45 +340,49 @@ def main(argv=None):
     config, n_params, tokenizer, error = load_config_and_tokenizer(args.model)
     # Before from_pretrained: transformers reads ZeRO-3's settings from the Accelerator to load partitioned.
     accelerator = Accelerator(  # accelerate
-        gradient_accumulation_steps=args.grad_accum,
+        # Gradients sync every --grad-accum micro-batches, never at the loader's end: with_step_tokens reads a whole
+        # step ahead, so the loader's end-of-data flag is up before the epoch's last step has begun (that step was
+        # then cut in two). runkit feeds whole steps only, and sets the counter on resume.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.grad_accum, sync_with_dataloader=False),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
         # non_blocking with pinned batches: the copy to the GPU is queued, the host does not wait for the GPU
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, non_blocking=True))
+    args.output_dir = args.output_dir or default_output_dir(args, accelerator)
     run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm)
     set_seed(args.seed)
-    if error:
-        run.fail(error)
+    if problem := error or flags_without_rank(args, sys.argv[1:] if argv is None else argv):
+        run.fail(problem)
     check_block_size(args, config, run)
     run.check_whole_model_fits(n_params)  # ZeRO-3 without zero3_init_flag loads it whole on every process
     data = load_data(args, run, accelerator, tokenizer)
-    model, dtype = load_model(args, run, accelerator)
+    attention = attention_implementation(config, args.block_size)  # None: the model builds its own masks
+    model, dtype = load_model(args, run, accelerator, attention)
+    zero3_lora_note(args, run, accelerator, n_params, dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     trained = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)  # ZeRO-3: the whole parameter's size
     micro = args.batch_size // args.grad_accum
     pin = accelerator.device.type == "cuda"
     train_loader = DataLoader(data.train, batch_size=micro, shuffle=True, drop_last=True, pin_memory=pin)
-    # Exactly the examples evaluated, read to the end: a loader left part-read stays accelerate's active one,
-    # and its end-of-data flag would then decide when gradients sync (every micro-batch, with --grad-accum).
-    evaluated = data.validation.select(range(min(len(data.validation), args.eval_batches * args.batch_size)))
-    # accelerate fills a short last batch: shapes stay static
-    val_loader = DataLoader(evaluated, batch_size=micro, pin_memory=pin)
+    # The evaluated examples, read to the end; accelerate fills a short last batch: shapes stay static
+    val_loader = DataLoader(data.validation, batch_size=micro, pin_memory=pin)
     optimizer = adamw(trainable, args)
     steps_per_epoch = len(train_loader) // args.grad_accum
     if steps_per_epoch == 0:
-        run.fail(f"{len(data.train)} training examples do not fill one global batch of {args.batch_size}")
+        run.fail(f"{len(data.train)} training blocks ({data.facts['train_examples']} examples) do not fill one "
+                 f"global batch of {args.batch_size}")
     scheduler = warmup_cosine(optimizer, args)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(  # accelerate
         model, optimizer, train_loader, val_loader, scheduler)
-    positions = len(data.train) * (args.block_size - 1)  # positions with a target
-    loss_share = sum(data.train.with_format(None)["in_loss"]) / positions
+    given_mask, facts = attention is not None, data.facts
+    # tokens/s and MFU count real tokens: a block's mean of them, not its positions
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=args.max_steps,
-              units_per_sample=args.block_size, flops_per_unit=flops_per_token(config, n_params, trained, args),
-              peak_tflops=args.peak_tflops, eval_every=args.eval_every,
-              evaluate=lambda: evaluate(model, val_loader, accelerator),
+              units_per_sample=facts["real_tokens_per_block"], peak_tflops=args.peak_tflops,
+              flops_per_unit=flops_per_token(config, n_params, trained, args, facts["attention_span"]),
+              eval_every=args.eval_every, evaluate=lambda: evaluate(model, val_loader, accelerator, given_mask),
               describe=f"{args.model}: {n_params / 1e6:.3g} M parameters | {data.format}: {data.source}, "
-                       f"{len(data.train)} examples of {args.block_size} tokens, {100 * loss_share:.0f}% of positions "
-                       f"in the loss{cut_note(data.cuts, data.format, args.block_size)}",
-              data_facts={"source": data.source, "data_format": data.format, "train_examples": len(data.train)})
+                       f"{blocks_note(facts, data.format, args.block_size)}, {100 * facts['loss_positions_share']:.0f}%"
+                       f" of positions in the loss{cut_note(data.cuts, data.format, args.block_size)}",
+              data_facts={"source": data.source, "data_format": data.format, "train_examples": facts["train_examples"]})
 
     # The loss is the mean over every loss token of the optimizer step, whatever the micro-batch and the rank:
     # each micro-batch's summed loss over the step's token count, times what backward() then divides by
@@ -315,8 +391,7 @@ def main(argv=None):
     for batches in run.epochs(train_loader):  # resumes mid-epoch; checkpoints at each epoch's end
         for batch, step_tokens in with_step_tokens(batches, accelerator, args.grad_accum):
             with accelerator.accumulate(model):  # accelerate
-                # No attention mask: padding comes after the last real token and attention is causal.
-                losses, _ = token_losses(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+                losses, _ = token_losses(model(**model_inputs(batch, given_mask)).logits, batch["labels"])
                 loss = losses.sum() * undo_means / step_tokens
                 accelerator.backward(loss)  # accelerate
                 if accelerator.sync_gradients and args.max_grad_norm > 0:  # accelerate
@@ -326,18 +401,22 @@ def main(argv=None):
                 optimizer.zero_grad()
             if run.step(loss):  # a stop signal, or the last step
                 break
+    return finish(run, model, accelerator, tokenizer, data, args, dtype, trained)
+
+
+def finish(run, model, accelerator, tokenizer, data, args, dtype, trained):
+    """The greedy answer to a held-out prompt, then run.finish: the export and the summary (with the data's facts)."""
     sample = {}
     if args.sample_tokens and not run.stopping:
-        sample = greedy_answer(model, accelerator, tokenizer, data.validation[0], data.format, args)
+        sample = greedy_answer(model, accelerator, tokenizer, data.sample, data.format, args)
         run.print(f"greedy answer to {sample['sample_prompt']!r}: {sample['sample']!r}")
     lora = {"lora_r": args.lora_r, "trainable_params": trained,
             "frozen_dtype": str(dtype).removeprefix("torch.") if args.lora_r else None}
     return run.finish(model, export=functools.partial(export, model=model, accelerator=accelerator,
                                                       tokenizer=tokenizer, args=args, output_dir=run.output_dir),
                       exported_dtype=args.save_dtype, base_model=args.model, data_format=data.format,
-                      data_source=data.source, train_examples=len(data.train), loss_positions_share=loss_share,
-                      block_size=args.block_size, gradient_checkpointing=args.gradient_checkpointing, **lora, **sample,
-                      **data.cuts)
+                      data_source=data.source, block_size=args.block_size,
+                      gradient_checkpointing=args.gradient_checkpointing, **data.facts, **lora, **sample, **data.cuts)
 
 
 if __name__ == "__main__":

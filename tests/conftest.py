@@ -145,11 +145,12 @@ def hf(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def finetune(launch, hf):
-    """finetune(config, *extra, model=..., data=...) -> LaunchResult, fp32, one launch per distinct argument list."""
+    """finetune(config, *extra, model=..., data=..., env=..., recipe=...) -> LaunchResult, fp32, one launch per
+    distinct argument list (recipe: a script that runs finetune_lm.py, such as test_finetune_lm.py's watch)."""
     def _finetune(config, *extra, model="model", data="uneven.jsonl", check=True,
-                  launch_args=("--mixed_precision", "no")):
+                  launch_args=("--mixed_precision", "no"), env=None, recipe="recipes/finetune_lm.py"):
         return launch(config, *finetune_args(hf, model, data), *extra, launch_args=launch_args,
-                      recipe="recipes/finetune_lm.py", check=check)
+                      recipe=recipe, check=check, env=env)
     return _finetune
 
 

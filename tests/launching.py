@@ -170,8 +170,9 @@ def recipe_args(recipe, config, data):
 
 
 # finetune_lm.py's test runs, on tests/tiny_hf.py's model and data (conftest's hf, finetune and lora fixtures):
-# 8 steps of 16 sequences of 32 tokens; LoRA of rank 4, in the precision each engine runs it in.
-FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_BLOCK = 8, 16, 32
+# 8 steps of 16 blocks of 64 tokens, the uneven pairs packed about 1.5 to a block (every engine runs packed
+# blocks); LoRA of rank 4, in the precision each engine runs it in.
+FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_BLOCK = 8, 16, 64
 LORA = ("--lora-r", "4", "--merge-lora")
 LORA_PRECISION = {"2gpu.yaml": "no", "fsdp.yaml": "bf16", "deepspeed_zero3.yaml": "no"}  # FSDP2: a bf16 frozen base
 

@@ -28,6 +28,7 @@ from finetune_data.examples import (  # noqa: E402
     encode_pair,
     load_examples,
 )
+from finetune_data.packing import best_fit_decreasing, pack_blocks, pad_blocks  # noqa: E402
 from finetune_lm import parse_args  # noqa: E402
 
 
@@ -45,10 +46,10 @@ def tokenizer(root, name):
     return AutoTokenizer.from_pretrained(root / name)
 
 
-def examples(root, data, *flags, model="model", block_size=64):
-    """load_examples on `data` with the recipe's own flags: (train, validation, format, source, cuts)."""
+def examples(root, data, *flags, model="model", block_size=64, eval_examples=1000):
+    """load_examples on `data` with the recipe's own flags: (train, validation, sample, format, source, cuts, facts)."""
     args = parse_args(["--model", str(root / model), "--data-files", str(root / data), *flags])
-    return load_examples(args, tokenizer(root, model), block_size)
+    return load_examples(args, tokenizer(root, model), block_size, eval_examples)
 
 
 def refusal(root, data, *flags, model="model"):
@@ -64,13 +65,13 @@ CHAT = [{"role": "system", "content": "You add and multiply."},
 
 
 def test_labels_are_set_by_position():
-    """The pad positions and the prompt are never in the loss, whatever their token ids; the response and
-    its end-of-sequence token are, even when the pad token is the end-of-sequence token."""
-    eos = pad = 2
-    ids, labels = encode_pair([0, 5, 6], [7, 2, 8], eos, pad, 10)  # a response that contains the eos id
-    assert ids == [0, 5, 6, 7, 2, 8, eos, pad, pad, pad]
-    assert labels == [IGNORE] * 3 + [7, 2, 8, eos] + [IGNORE] * 3
-    ids, labels = encode_pair([0, 5, 6], [7, 8, 9], eos, 4, 5)  # cut at the block size: no padding
+    """The prompt is never in the loss, whatever its token ids; the response and its end-of-sequence token are,
+    even when the response holds the end-of-sequence id; the padding is IGNORE (test_packing.py)."""
+    eos = 2
+    ids, labels = encode_pair([0, 5, 6], [7, 2, 8], eos, 10)  # a response that contains the eos id
+    assert ids == [0, 5, 6, 7, 2, 8, eos]
+    assert labels == [IGNORE] * 3 + [7, 2, 8, eos]
+    ids, labels = encode_pair([0, 5, 6], [7, 8, 9], eos, 5)  # cut at the block size
     assert ids == [0, 5, 6, 7, 8] and labels == [IGNORE] * 3 + [7, 8]
 
 
@@ -94,11 +95,9 @@ def test_chat_labels_are_the_assistant_turns_by_position(tiny):
     assert marked == prefixes == (ids, learned)
     assert tok.decode([t for t, keep in zip(ids, learned) if keep]) == "It is 7.</s>It is 12.</s>"
 
-    block = len(ids) + 3
-    input_ids, labels = encode_chat(ids, learned, eos, block)  # the pad token is </s>: labels by position
-    assert input_ids == ids + [eos] * 3
-    assert labels == [t if keep else IGNORE for t, keep in zip(ids, learned)] + [IGNORE] * 3
-    input_ids, labels = encode_chat(ids, learned, eos, len(ids) - 2)  # the last answer's '.' and </s> cut
+    input_ids, labels = encode_chat(ids, learned, len(ids) + 3)
+    assert input_ids == ids and labels == [t if keep else IGNORE for t, keep in zip(ids, learned)]
+    input_ids, labels = encode_chat(ids, learned, len(ids) - 2)  # the last answer's '.' and </s> cut
     assert input_ids == ids[:-2] and labels == [t if keep else IGNORE for t, keep in zip(ids, learned)][:-2]
 
 
@@ -113,13 +112,13 @@ def test_markers_and_prefix_renders_agree_on_every_conversation(tiny):
 
 def test_the_format_comes_from_the_columns(tiny):
     (tiny / "notes.jsonl").write_text("".join(json.dumps({"text": p + r}) + "\n" for p, r in corpus(200)))
-    assert examples(tiny, "chat.jsonl")[2] == "chat"
-    assert examples(tiny, "pairs.jsonl")[2] == "pairs"
-    assert examples(tiny, "text.txt")[2] == "text"
-    assert examples(tiny, "notes.jsonl")[2] == "text"
+    assert examples(tiny, "chat.jsonl").format == "chat"
+    assert examples(tiny, "pairs.jsonl").format == "pairs"
+    assert examples(tiny, "text.txt").format == "text"
+    assert examples(tiny, "notes.jsonl").format == "text"
     (tiny / "turns.jsonl").write_text(
         "".join(json.dumps({"dialogue": m, "id": i}) + "\n" for i, m in enumerate(conversations(40))))
-    assert examples(tiny, "turns.jsonl", "--messages-column", "dialogue")[2] == "chat"
+    assert examples(tiny, "turns.jsonl", "--messages-column", "dialogue").format == "chat"
 
 
 def test_a_chat_without_a_template_is_one_message(tiny):
@@ -133,7 +132,7 @@ def test_each_column_of_the_wrong_kind_is_one_message_that_leads_somewhere(tiny)
     assert "not ['text']: name them with --text-column" in message and "--format pairs or chat" in message
     message = refusal(tiny, "chat.jsonl", "--format", "text", "--text-column", "messages")
     assert message.endswith("use --format chat --messages-column messages")
-    assert examples(tiny, "chat.jsonl", "--format", "chat", "--messages-column", "messages")[2] == "chat"
+    assert examples(tiny, "chat.jsonl", "--format", "chat", "--messages-column", "messages").format == "chat"
     message = refusal(tiny, "chat.jsonl", "--format", "pairs", "--prompt-column", "messages",
                       "--response-column", "messages")
     assert "holds conversations" in message
@@ -169,11 +168,12 @@ def test_the_examples_block_size_cuts_are_counted(tiny, data, block):
     else:
         cut, dropped = independent_pair_cuts(tok, uneven_pairs(), block)
     assert cut > 0 and (dropped > 0 or block == 36)  # the cases cut something, and the short blocks drop some
-    train, validation, _, _, cuts = examples(tiny, data, block_size=block)
+    loaded = examples(tiny, data, "--no-packing", block_size=block)  # every validation example evaluated
     total = len(conversations()) if data == "chat.jsonl" else len(uneven_pairs())
-    assert cuts == {"tokenised_examples": total, "cut_examples": cut, "dropped_examples": dropped}
-    assert len(train) + len(validation) == total - dropped
-    note = cut_note(cuts, "chat", block)
+    assert loaded.cuts == {"tokenised_examples": total, "cut_examples": cut, "dropped_examples": dropped}
+    assert len(loaded.train) + len(loaded.validation) == total - dropped == loaded.facts["train_examples"] + len(
+        loaded.validation)
+    note = cut_note(loaded.cuts, "chat", block)
     assert f"{cut} of {total} examples cut at --block-size {block}" in note
     assert (f"{dropped} dropped" in note) == (dropped > 0)
 
@@ -210,3 +210,65 @@ def test_chat_fine_tune_with_the_default_block_size(tiny, tmp_path):
     losses = [m["loss"] for m in run.metrics]
     assert all(math.isfinite(x) for x in losses) and s["final_loss"] < s["first_loss"]
     assert s["sample_prompt"].endswith("<|assistant|>\n")  # the held-out chat up to its first answer
+
+
+def test_best_fit_decreasing_by_hand():
+    """The longest first, each into the block with the least room that holds it."""
+    assert best_fit_decreasing([5, 3, 8, 2, 6], 8) == [[2], [4, 3], [0, 1]]  # 8 | 6+2 | 5+3: nothing left over
+    assert best_fit_decreasing([7, 7, 7], 8) == [[0], [1], [2]]
+    # 4, 4, 3 open three blocks (room 2, 2, 3); the 2 fills one of the blocks with room 2, the 1 goes to the other
+    assert best_fit_decreasing([4, 1, 3, 2, 4], 6) == [[0, 1], [4, 3], [2]]
+
+
+def test_a_packed_block_by_hand():
+    """Each example's positions restart at 0 and its first label is IGNORE (the token before it is another
+    example's); the padding after the last is IGNORE, a segment of its own; real tokens and examples counted."""
+    pack = pack_blocks(block_size=8, pad_id=9)
+    blocks = pack({"input_ids": [[1, 2, 3], [4, 5]], "labels": [[IGNORE, 2, 3], [4, 5]]})
+    assert blocks["input_ids"] == [[1, 2, 3, 4, 5, 9, 9, 9]]
+    assert blocks["labels"] == [[IGNORE, 2, 3, IGNORE, 5, IGNORE, IGNORE, IGNORE]]
+    assert blocks["position_ids"] == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    assert (blocks["real"], blocks["examples"], blocks["in_loss"]) == ([5], [2], [3])
+    padded = pad_blocks(block_size=4, pad_id=9)({"input_ids": [[1, 2, 3], [4, 5]], "labels": [[IGNORE, 2, 3], [4, 5]]})
+    assert padded["input_ids"] == [[1, 2, 3, 9], [4, 5, 9, 9]] and "position_ids" not in padded
+    assert padded["labels"] == [[IGNORE, 2, 3, IGNORE], [4, 5, IGNORE, IGNORE]]
+    assert (padded["real"], padded["examples"], padded["in_loss"]) == ([3, 2], [1, 1], [2, 1])
+
+
+@pytest.mark.parametrize("packing", ["--packing", "--no-packing"])
+def test_padding_share_by_hand_count(tiny, packing):
+    """Pairs of one length n (25 tokens), blocks of 64: packed two to a block, padding (64 - 50) / 64 of every
+    full block (the last may hold one); padded, (64 - n) / 64. The train/validation split is made on examples,
+    before packing: the same examples are evaluated either way."""
+    tok, n, block = tokenizer(tiny, "model"), 25, 64
+    same = [(p, r) for p, r in uneven_pairs(2000) if len(tok(p)["input_ids"] + tok(r)["input_ids"]) == n]
+    (tiny / "same.jsonl").write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in same))
+    loaded = examples(tiny, "same.jsonl", packing, block_size=block)
+    facts, count = loaded.facts, loaded.facts["train_examples"]
+    assert count + len(loaded.validation) * (2 if packing == "--packing" else 1) >= len(same) > 40
+    if packing == "--packing":
+        blocks = math.ceil(count / 2)
+        assert facts["train_blocks"] == len(loaded.train) == blocks
+        assert facts["examples_per_block"] == pytest.approx(count / blocks)
+        assert facts["padding_share"] == pytest.approx(1 - count * n / (blocks * block))
+    else:
+        assert facts["train_blocks"] == count and facts["examples_per_block"] == 1
+        assert facts["padding_share"] == pytest.approx((block - n) / block)
+    assert facts["real_tokens_per_block"] == pytest.approx(block * (1 - facts["padding_share"]))
+    assert facts["attention_span"] == pytest.approx(n)
+    assert set(loaded.train.column_names) == ({"input_ids", "labels", "position_ids"} if packing == "--packing"
+                                              else {"input_ids", "labels"})
+
+
+def test_the_held_out_split_is_made_before_packing(tiny):
+    packed, padded = (examples(tiny, "uneven.jsonl", flag, eval_examples=8) for flag in ("--packing", "--no-packing"))
+    assert packed.facts["train_examples"] == padded.facts["train_examples"]
+    assert len(padded.validation) == 8 and len(packed.validation) < 8  # the same 8 examples, in fewer blocks
+    tokens = [sorted(t for t in part.validation[:]["input_ids"].flatten().tolist() if t != 2)  # 2: <pad>
+              for part in (packed, padded)]
+    assert tokens[0] == tokens[1]
+    assert packed.sample["input_ids"].tolist() == padded.sample["input_ids"].tolist()
+
+
+def test_no_packing_on_plain_text_is_one_message(tiny):
+    assert "plain text has no examples" in refusal(tiny, "text.txt", "--no-packing")

@@ -11,6 +11,7 @@ test_finetune_data.py.
 """
 
 import json
+import re
 import shutil
 import sys
 
@@ -25,13 +26,15 @@ from launching import (
     FINETUNE_STEPS,
     LORA_PRECISION,
     OFFLOAD,
+    REPO,
     LaunchResult,
     finetune_args,
     run_command,
 )
 from run_checks import assert_engine, assert_refused, assert_shards_held
-from tiny_hf import corpus, uneven_pairs
+from tiny_hf import conversations, corpus, uneven_pairs
 
+sys.path.insert(0, str(REPO / "recipes"))
 STEPS, BATCH, BLOCK = FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_BLOCK
 
 
@@ -52,7 +55,7 @@ def reloaded_logprobs(model_dir, summary):
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIG_FILES)  # the *_compile.yaml ones too
 def test_finetune_under_every_config(finetune, config):
-    run = finetune(config)
+    run = finetune(config, env=GRAPH_CODE if config == "1gpu_compile.yaml" else None)
     s = run.summary
     assert_engine(s, config)
     assert s["steps"] == STEPS and s["data_format"] == "pairs" and s["exported_dtype"] == "float32"
@@ -217,6 +220,8 @@ def test_each_input_error_is_one_clear_message(finetune, hf, tmp_path):
     for args, env, words in [
         (["--model", "no-such-org/no-such-model"], offline, "cannot load model 'no-such-org/no-such-model'"),
         (["--block-size", "4096"], {}, "longer than"),
+        (["--model", "./llama-8b"], offline, "--model './llama-8b': no such directory"),  # not "a malformed hub id"
+        (["--merge-lora"], {}, "--merge-lora acts on LoRA adapters, and without --lora-r this run is a full"),
     ]:
         out = tmp_path / f"out{len(words)}"
         cmd = [sys.executable, "recipes/finetune_lm.py", *finetune_args(hf), "--output-dir", str(out), *args]
@@ -229,3 +234,278 @@ def test_each_input_error_is_one_clear_message(finetune, hf, tmp_path):
     big = finetune("deepspeed_zero3.yaml", model="big", check=False,
                    launch_args=("--mixed_precision", "no", "--zero3_init_flag", "false"))
     assert_refused(big, "Set zero3_init_flag: true")
+
+
+# finetune_lm.py under two watches, for the attention tests below: transformers' packed-sequence check
+# (masking_utils.find_packed_sequence_indices, whose `.all()` on a device tensor is a host sync in every forward)
+# must not be reached outside compilation, and what PyTorch's SDPA receives is written to OUTPUT_DIR/sdpa.json.
+WATCH = """
+import atexit, json, os, runpy, sys
+import torch
+import transformers.masking_utils as masking
+
+calls, first_mask = {}, []
+real_check, real_sdpa = masking.find_packed_sequence_indices, torch.nn.functional.scaled_dot_product_attention
+
+
+def check(position_ids):
+    if not torch.compiler.is_compiling():
+        raise RuntimeError("WATCH: find_packed_sequence_indices reached outside compilation (a host sync)")
+    return real_check(position_ids)
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+    kind = "none" if attn_mask is None else f"{attn_mask.dtype} {list(attn_mask.shape)}"
+    calls[f"{kind} causal={is_causal}"] = calls.get(f"{kind} causal={is_causal}", 0) + 1
+    if attn_mask is not None and not first_mask and query.requires_grad:
+        first_mask.append(attn_mask[0, 0].tolist())
+    return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+
+def dump():
+    out = sys.argv[sys.argv.index("--output-dir") + 1]
+    with open(os.path.join(out, "sdpa.json"), "w") as f:
+        json.dump({"calls": calls, "first_mask": first_mask[0] if first_mask else None}, f)
+
+
+masking.find_packed_sequence_indices = check
+torch.nn.functional.scaled_dot_product_attention = sdpa
+atexit.register(dump)
+sys.argv[0] = "recipes/finetune_lm.py"
+sys.path.insert(0, "recipes")
+runpy.run_path("recipes/finetune_lm.py", run_name="__main__")
+"""
+# Dynamo prints the graphs it compiles: each SDPA call with its arguments.
+GRAPH_CODE = {"TORCH_LOGS": "graph_code"}
+
+
+def sdpa_in_graphs(output):
+    """(attn_mask, is_causal) of every SDPA call in the graphs dynamo compiled (TORCH_LOGS=graph_code)."""
+    return re.findall(r"scaled_dot_product_attention\(.*?attn_mask = (\w+).*?is_causal = (\w+)", output)
+
+
+def assert_block_diagonal(mask):
+    """Each position attends to itself and the positions before it in its own example, and nothing else: its row
+    is one run of True from its example's first position to itself, and an example starts where the last ended."""
+    start = 0
+    for q, row in enumerate(mask):
+        allowed = [k for k, a in enumerate(row) if a]
+        if allowed[0] == q:
+            start = q  # a new example (or the padding after the last one) starts here
+        assert allowed == list(range(start, q + 1)), (q, allowed)
+    assert any(row.index(True) > 0 for row in mask), "one example per block: nothing was packed"
+
+
+@pytest.fixture(scope="module")
+def watch(hf):
+    path = hf / "watched_finetune_lm.py"
+    path.write_text(WATCH)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_no_host_sync_in_eager_steps(finetune, watch):
+    """Issue 32, item 2: the model is given what it needs to never look for packed sequences itself (a host sync
+    per forward on a GPU): an eager run never reaches find_packed_sequence_indices, and SDPA gets the
+    block-diagonal causal mask of the packed pairs in training and evaluation."""
+    run = finetune("cpu.yaml", recipe=watch, check=False)
+    assert run.returncode == 0 and "WATCH" not in run.output, run.output[-3000:]
+    seen = json.loads((run.out_dir / "sdpa.json").read_text())
+    micro = f"torch.bool [{BATCH}, 1, {BLOCK}, {BLOCK}] causal=False"
+    assert seen["calls"].get(micro, 0) > 0, seen["calls"]
+    assert_block_diagonal(seen["first_mask"])
+    assert run.summary["final_loss"] == finetune("cpu.yaml").summary["final_loss"]  # the watch changes nothing
+
+
+@pytest.mark.slow
+def test_compiled_attention_is_causal_without_a_mask_where_nothing_is_packed(finetune):
+    """Issue 32, item 2: under torch.compile transformers' packed-sequence check always answers "packed" and
+    builds a mask; here SDPA gets none and is_causal (the flash kernel on a GPU) where examples are not packed
+    (plain text), and the block-diagonal mask where they are (the pairs)."""
+    text = finetune("1gpu_compile.yaml", data="text.txt", env=GRAPH_CODE)
+    calls = sdpa_in_graphs(text.output)
+    assert calls and set(calls) == {("None", "True")}, calls
+    packed = finetune("1gpu_compile.yaml", env=GRAPH_CODE)
+    calls = sdpa_in_graphs(packed.output)
+    assert calls and all(mask != "None" and causal == "False" for mask, causal in calls), calls
+
+
+def per_position_losses(model, block, given_mask):
+    """The next-token loss at each position of one block, from what the recipe gives the model."""
+    from finetune_lm import model_inputs
+    batch = {k: torch.tensor([v]) for k, v in block.items() if k in ("input_ids", "labels", "position_ids")}
+    with torch.no_grad():
+        logits = model(**model_inputs(batch, given_mask)).logits[0, :-1]
+    return F.cross_entropy(logits, batch["input_ids"][0, 1:], reduction="none")
+
+
+@pytest.mark.parametrize("attention", ["given mask", "the model's own"])
+def test_a_packed_example_attends_only_to_itself(hf, attention):
+    """Three examples packed in one block: changing the middle one changes its own losses and no other's, and each
+    example's losses are those it has alone in a block (its positions restart at 0). Both ways the recipe runs
+    attention: the block-diagonal mask it gives (packing.GIVEN_MASK), and for models with a sliding window
+    shorter than the block, transformers' own masks built from the positions."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune_data.packing import GIVEN_MASK, pack_blocks
+    implementation = GIVEN_MASK if attention == "given mask" else None
+    if implementation:
+        from finetune_data.packing import attention_implementation
+        assert attention_implementation(AutoModelForCausalLM.from_pretrained(hf / "model").config, 64) == GIVEN_MASK
+    model = AutoModelForCausalLM.from_pretrained(hf / "model", attn_implementation=implementation).eval()
+    model.config.use_cache = False  # as the recipe trains: with a cache, transformers looks for no packing
+    generator = torch.Generator().manual_seed(0)
+    examples = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (14, 20, 17)]
+    changed = [examples[0], torch.randint(3, 300, (20,), generator=generator).tolist(), examples[2]]
+    pack = pack_blocks(block_size=64, pad_id=2)
+    blocks = [pack({"input_ids": e, "labels": e}) for e in (examples, changed)]
+    assert all(len(b["input_ids"]) == 1 and b["examples"] == [3] for b in blocks)
+    before, after = (per_position_losses(model, {k: v[0] for k, v in b.items()}, implementation is not None)
+                     for b in blocks)
+    order = [20, 17, 14]  # longest first: the middle example is first in the block
+    spans = dict(zip(order, [(0, 20), (20, 37), (37, 51)]))
+    first, middle, last = spans[14], spans[20], spans[17]
+    for start, end in (first, last):  # an example's losses: its own tokens after its first one
+        assert torch.allclose(before[start:end - 1], after[start:end - 1], atol=1e-6, rtol=0)
+    assert not torch.allclose(before[middle[0]:middle[1] - 1], after[middle[0]:middle[1] - 1])
+    for example, (start, end) in zip(examples, (first, middle, last)):
+        alone = pack({"input_ids": [example], "labels": [example]})
+        own = per_position_losses(model, {k: v[0] for k, v in alone.items()}, implementation is not None)
+        assert torch.allclose(before[start:end - 1], own[:end - start - 1], atol=1e-5, rtol=0)
+
+
+def test_lora_adapters_compute_in_the_compute_dtype(hf):
+    """LoRA's adapters keep fp32 weights (the optimizer's), and under autocast take their bf16 input as it comes:
+    PEFT's default would copy it to fp32 for autocast to cast it back. The logits are exactly PEFT's default ones.
+    Where no autocast runs (DeepSpeed in bf16), the adapters are bf16 themselves and give the same to bf16
+    rounding. The default dropout is 0 (it copies every adapted layer's input)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune_lm import parse_args
+    from lora.adapters import with_lora
+    args = parse_args(["--model", str(hf / "model"), "--lora-r", "4"])
+    assert args.lora_dropout == 0
+    base = AutoModelForCausalLM.from_pretrained(hf / "model", dtype=torch.bfloat16)
+    ours = with_lora(copy.deepcopy(base), args)
+    default = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    engine_cast = with_lora(copy.deepcopy(base), args, adapter_dtype=torch.bfloat16)
+    for model in (ours, default, engine_cast):
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))).to(p.dtype) / 8
+    assert {p.dtype for n, p in ours.named_parameters() if "lora_" in n} == {torch.float32}
+    assert {p.dtype for n, p in engine_cast.named_parameters() if "lora_" in n} == {torch.bfloat16}
+    seen = {}
+
+    def input_dtype(name):
+        def hook(module, inputs):
+            seen.setdefault(name, inputs[0].dtype)
+        return hook
+    for name, model in (("ours", ours), ("default", default)):
+        next(m for m in model.modules() if hasattr(m, "lora_A")).lora_A["default"].register_forward_pre_hook(
+            input_dtype(name))
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, reference = ours(input_ids=ids).logits, default(input_ids=ids).logits
+    assert seen == {"ours": torch.bfloat16, "default": torch.float32}
+    assert torch.equal(logits, reference)
+    with torch.no_grad():  # no autocast: bf16 adapters on a bf16 base
+        cast = engine_cast(input_ids=ids).logits
+    assert torch.allclose(cast.float(), reference.float(), atol=0.1, rtol=0.05)
+
+
+# Packed and padded runs that train on exactly the same tokens: one optimizer step is one epoch, every training
+# example (all the padded blocks, all the packed ones), so each step's token-weighted loss, its gradient and the
+# evaluation of the same held-out examples agree whatever the blocks hold. (format, block size, config, extra
+# flags): the chats, of 30 to 120 tokens, in blocks of the tiny model's whole context.
+SAME_LOSS_CASES = {"pairs, one process": ("pairs", BLOCK, "cpu.yaml", ()),
+                   "chat, --grad-accum 2, LoRA": ("chat", 128, "cpu.yaml", ("--grad-accum", "2", "--lora-r", "4")),
+                   "pairs, 2 processes, --grad-accum 2, LoRA": ("pairs", BLOCK, "2gpu.yaml",
+                                                                 ("--grad-accum", "2", "--lora-r", "4"))}
+
+
+def whole_epoch_data(hf, fmt, block):
+    """A data file of pairs or chats whose training examples and packed blocks are both a multiple of 4 (2 processes
+    × 2 micro-batches), and those two counts: the facts the recipe itself will find (the same load_examples)."""
+    from transformers import AutoTokenizer
+
+    from finetune_data.examples import load_examples
+    from finetune_lm import parse_args
+    tok, path = AutoTokenizer.from_pretrained(hf / "model"), hf / f"whole_epoch_{fmt}.jsonl"
+    for n in range(60, 120):
+        records = ([{"prompt": p, "response": r} for p, r in uneven_pairs(n)] if fmt == "pairs"
+                   else [{"messages": m} for m in conversations(n)])
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        counts = []
+        for flag in ("--no-packing", "--packing"):
+            args = parse_args(["--model", str(hf / "model"), "--data-files", str(path), flag])
+            counts.append(load_examples(args, tok, block, 1000).facts["train_blocks"])
+        if all(c % 4 == 0 for c in counts):
+            return path.name, counts
+    raise AssertionError("no size found")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SAME_LOSS_CASES)
+def test_packed_and_padded_give_the_same_loss(finetune, hf, case):
+    """Issue 34, item 5: the same tokens in packed blocks or one example per padded block give the same loss at
+    every step and the same validation loss (positions restart at 0, nothing attends across an example's edge,
+    the loss is the token-weighted mean over the optimizer step)."""
+    fmt, block, config, extra = SAME_LOSS_CASES[case]
+    data, (padded_blocks, packed_blocks) = whole_epoch_data(hf, fmt, block)
+    assert packed_blocks < padded_blocks
+    runs = {}
+    for flag, blocks in (("--no-packing", padded_blocks), ("--packing", packed_blocks)):
+        runs[flag] = finetune(config, flag, *extra, "--block-size", str(block), "--batch-size", str(blocks),
+                              "--max-steps", "3", "--eval-every", "1", "--eval-batches", "1", data=data)
+    padded, packed = runs["--no-packing"], runs["--packing"]
+    assert packed.summary["train_examples"] == padded.summary["train_examples"]
+    assert packed.summary["padding_share"] < padded.summary["padding_share"]
+    assert packed.summary["examples_per_block"] > 1 == padded.summary["examples_per_block"]
+    losses = [[m["loss"] for m in run.metrics if "loss" in m] for run in (padded, packed)]
+    assert len(losses[0]) == len(set(losses[0])) == 3  # the steps train: each step's loss is another
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    evals = [[json.loads(line)["val_loss"] for line in (run.out_dir / "eval.jsonl").read_text().splitlines()]
+             for run in (padded, packed)]
+    assert len(evals[0]) == 3 and evals[1] == pytest.approx(evals[0], rel=1e-4)
+
+
+def test_help_gives_each_default_once(capsys):
+    """Issue 35, item 12: `--help` said "(default: 1024, or the context if shorter) (default: None)"."""
+    from finetune_lm import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    entries = re.split(r"\n  (?=-)", capsys.readouterr().out.split("options:", 1)[1])  # one per flag
+    entries = {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries if entry.strip()}
+    assert len(entries) > 30 and "(default: None)" not in " ".join(entries.values())
+    assert {flag for flag, text in entries.items() if text.lower().count("default") > 1} == set()
+    assert entries["--block-size"].endswith("(default: 1024, or the context if shorter)")
+    assert entries["--packing"].endswith("(default: True)")
+
+
+def test_full_lora_packed_and_padded_runs_keep_their_own_output_directories():
+    """Issue 35, item 8: a LoRA run's results overwrote a full fine-tune's (one default directory for both)."""
+    from accelerate import Accelerator
+
+    from finetune_lm import default_output_dir, parse_args
+    accelerator = Accelerator(cpu=True)
+    dirs = {default_output_dir(parse_args(flags), accelerator)
+            for flags in ([], ["--lora-r", "16"], ["--lora-r", "8"], ["--no-packing"],
+                          ["--lora-r", "16", "--no-packing"])}
+    assert len(dirs) == 5 and "runs/finetune_lm/1proc" in dirs and "runs/finetune_lm/1proc-lora-r16" in dirs
+
+
+def test_lora_flags_without_a_rank_are_refused():
+    """Issue 35, item 8: TRL and torchtune build LoRA from the LoRA settings given; here the rank switches it on,
+    so a LoRA flag without --lora-r is refused rather than ignored (one message, tested end to end above)."""
+    from finetune_lm import parse_args
+    from lora.adapters import flags_without_rank
+    for argv in (["--merge-lora"], ["--lora-dropout=0.1"], ["--lora-alpha", "32", "--lora-targets", "q_proj"]):
+        message = flags_without_rank(parse_args(argv), argv)
+        assert message and "add --lora-r" in message and argv[0].split("=")[0] in message
+    assert flags_without_rank(parse_args(["--lora-r", "4", "--merge-lora"]), ["--lora-r", "4", "--merge-lora"]) is None
+    assert flags_without_rank(parse_args([]), []) is None

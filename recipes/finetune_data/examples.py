@@ -1,9 +1,10 @@
 """Fine-tuning examples: records read through `datasets`, tokenised into input_ids and labels a causal model learns.
 
-Owns finetune_lm.py's data layer, behind one call, load_examples(), which returns the training and validation
-examples, the format, the source and the cut counts, and raises DataProblem, with one message for the user,
-for every problem with the data (no file, an unreadable source, a missing column, a value of the wrong kind, a
-chat without a template, too few examples):
+Owns finetune_lm.py's data layer, behind one call, load_examples(), which returns the training blocks, the
+evaluated validation blocks, one held-out example for the greedy answer, the format, the source, the cut counts
+and the blocks' facts, and raises DataProblem, with one message for the user, for every problem with the data
+(no file, an unreadable source, a missing column, a value of the wrong kind, a chat without a template, too few
+examples, --no-packing on plain text):
 
   * the formats and how the columns choose one: chat (conversations of {role, content} turns, rendered with the
     tokenizer's chat template), pairs (prompt/response records) and text (plain text packed into blocks);
@@ -11,19 +12,22 @@ chat without a template, too few examples):
     tokens (from the template's {% generation %} markers, or else from rendering each conversation's prefixes),
     a pair its response and the end-of-sequence token; prompts and padding are IGNORE;
   * the examples --block-size cuts (their last response's end lost) and drops (nothing left to learn), counted;
-  * the held-out split, the same on every rank.
+  * the held-out split, made on examples (the same on every rank, and the same examples evaluated whether they
+    are then packed or padded), and the examples evaluated (eval_examples of them);
+  * the blocks: pairs and chat packed several to a block, or padded one to a block (--no-packing), by packing.py.
 
 The caller runs load_examples() inside accelerator.main_process_first(), so that the main process tokenises and
 caches and the others reuse its cache, and catches DataProblem there: every rank then leaves together.
 It makes no distributed call itself.
 """
 
+import argparse
 import glob
 import os
 import re
 from typing import NamedTuple
 
-IGNORE = -100  # label of a position that is not in the loss (cross_entropy's ignore_index)
+from .packing import BLOCK_COLUMNS, IGNORE, block_facts, into_blocks
 
 # What --format auto needs in the columns for each format, and what to name when they are missing.
 COLUMN_FLAGS = {"pairs": ("prompt_column", "response_column"), "chat": ("messages_column",),
@@ -44,13 +48,17 @@ class DataProblem(ValueError):
 
 
 class Examples(NamedTuple):
-    """What load_examples() returns: the tokenised splits (torch format), the format read, where the data came
-    from, and the cut counts (tokenised_examples, cut_examples, dropped_examples)."""
+    """What load_examples() returns: the training blocks and the evaluated validation blocks (torch format), one
+    held-out example (input_ids and labels, unpadded) for the greedy answer, the format read, where the data came
+    from, the cut counts (tokenised_examples, cut_examples, dropped_examples) and the training blocks' facts
+    (packing.block_facts, with train_examples and packing)."""
     train: object
     validation: object
+    sample: dict
     format: str
     source: str
     cuts: dict
+    facts: dict
 
 
 def add_data_args(parser):
@@ -68,11 +76,16 @@ def add_data_args(parser):
     parser.add_argument("--prompt-column", default="prompt", help="pairs: the column with the prompt")
     parser.add_argument("--response-column", default="response", help="pairs: the column with the response to learn")
     parser.add_argument("--text-column", default="text", help="text: the column with the text")
+    parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+                        help="pairs and chat: several examples in each block of --block-size tokens, each attending "
+                             "only to itself, positions restarting at 0 (--no-packing: one example per block, padded "
+                             "to it); plain text is always one stream cut into blocks")
 
 
-def load_examples(args, tokenizer, block_size):
-    """The examples of the data the flags name (args: --data-files or --dataset and --dataset-config, --format, the
-    column flags, --seed, --model for messages), block_size tokens each. Raises DataProblem."""
+def load_examples(args, tokenizer, block_size, eval_examples):
+    """The data the flags name (args: --data-files or --dataset and --dataset-config, --format, the column flags,
+    --packing, --seed, --model for messages) as blocks of block_size tokens, with eval_examples held-out examples
+    evaluated. Raises DataProblem."""
     source, records, load = data_reader(args)
     try:
         raw = load()
@@ -92,7 +105,23 @@ def load_examples(args, tokenizer, block_size):
     if len(data) < MIN_EXAMPLES:
         raise DataProblem(f"{source!r} gives only {len(data)} examples of at most {block_size} tokens; give more data")
     split = data.train_test_split(test_size=0.05, seed=args.seed)  # cached too: the same on every rank
-    return Examples(split["train"].with_format("torch"), split["test"].with_format("torch"), fmt, source, cuts)
+    train, validation = split["train"], split["test"].select(range(min(len(split["test"]), eval_examples)))
+    sample = {k: v for k, v in split["test"].with_format("torch")[0].items() if k in ("input_ids", "labels")}
+    facts = {"train_examples": len(train), "packing": fmt != "text" and args.packing}
+    if fmt == "text":
+        facts.update(block_facts(train, [block_size] * len(train), block_size), examples_per_block=None)
+    else:
+        lengths = train["length"]
+        train, validation = (into_blocks(part, block_size, pad_id(tokenizer), args.packing)
+                             for part in (train, validation))
+        facts.update(block_facts(train, lengths, block_size))
+    train, validation = (part.select_columns([c for c in BLOCK_COLUMNS if c in part.column_names])
+                         .with_format("torch") for part in (train, validation))
+    return Examples(train, validation, sample, fmt, source, cuts, facts)
+
+
+def pad_id(tokenizer):
+    return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
 def data_reader(args):
@@ -129,13 +158,16 @@ def check_columns(args, fmt, source, columns, tokenizer):
                           f"{MISSING_COLUMN_FIX[fmt]}")
     if fmt == "chat" and tokenizer.chat_template is None:
         raise DataProblem(NO_CHAT_TEMPLATE.format(model=args.model))
+    if fmt == "text" and not args.packing:
+        raise DataProblem("--no-packing pads each example to --block-size, and plain text has no examples: it is one "
+                          "stream cut into blocks. Drop --no-packing, or give prompt/response or chat records")
 
 
 def tokenise(fmt, args, tokenizer, block_size):
-    """The batched map from records to input_ids and labels (block_size long), in_loss (positions in the loss
-    after the first) and cut (the end of the last response lost to block_size)."""
+    """The batched map from records to examples: input_ids and labels (at most block_size long, not padded),
+    length, in_loss (positions in the loss after the first) and cut (the end of the last response lost to
+    block_size); plain text straight to blocks of block_size (with real and examples, as packing.py's)."""
     eos = tokenizer.eos_token_id
-    pad_id = eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
     def checked(batch, column, conversation=False):
         for value in batch[column]:
@@ -145,40 +177,40 @@ def tokenise(fmt, args, tokenizer, block_size):
 
     def examples(encoded, cut):
         return {"input_ids": [x for x, _ in encoded], "labels": [y for _, y in encoded],
+                "length": [len(x) for x, _ in encoded],
                 "in_loss": [sum(t != IGNORE for t in y[1:]) for _, y in encoded], "cut": cut}
 
     def pairs(batch):
         prompts = tokenizer(checked(batch, args.prompt_column))["input_ids"]
         responses = tokenizer(checked(batch, args.response_column), add_special_tokens=False)["input_ids"]
-        return examples([encode_pair(p, r, eos, pad_id, block_size) for p, r in zip(prompts, responses)],
+        return examples([encode_pair(p, r, eos, block_size) for p, r in zip(prompts, responses)],
                         [len(p) + len(r) + 1 > block_size for p, r in zip(prompts, responses)])
 
     def chat(batch):
         rendered = [assistant_positions(tokenizer, m) for m in checked(batch, args.messages_column, True)]
-        return examples([encode_chat(ids, learned, pad_id, block_size) for ids, learned in rendered],
+        return examples([encode_chat(ids, learned, block_size) for ids, learned in rendered],
                         [any(learned[block_size:]) for _, learned in rendered])
 
     def packed(batch):  # documents joined by end-of-sequence tokens, cut into whole blocks
         stream = [t for ids in tokenizer(checked(batch, args.text_column))["input_ids"] for t in ids + [eos]]
         blocks = [stream[i:i + block_size] for i in range(0, len(stream) // block_size * block_size, block_size)]
         return {"input_ids": blocks, "labels": blocks, "in_loss": [block_size - 1] * len(blocks),
-                "cut": [False] * len(blocks)}
+                "cut": [False] * len(blocks), "real": [block_size] * len(blocks), "examples": [1] * len(blocks)}
     return {"pairs": pairs, "chat": chat, "text": packed}[fmt]
 
 
-def encode_pair(prompt, response, eos, pad_id, block_size):
-    """(input_ids, labels) of a prompt/response pair, block_size long. Labels by position: the prompt and the padding
-    are IGNORE whatever their ids, so a pad token that is also the end-of-sequence token is learned only as the end."""
-    return encode_chat(prompt + response + [eos], [False] * len(prompt) + [True] * (len(response) + 1), pad_id,
-                       block_size)
+def encode_pair(prompt, response, eos, block_size):
+    """(input_ids, labels) of a prompt/response pair, at most block_size long. Labels by position: the prompt is
+    IGNORE whatever its ids, the response and its end-of-sequence token are learned."""
+    return encode_chat(prompt + response + [eos], [False] * len(prompt) + [True] * (len(response) + 1), block_size)
 
 
-def encode_chat(ids, learned, pad_id, block_size):
-    """(input_ids, labels) of a rendered conversation, block_size long: learned[i] says whether position i is in
-    the loss (an assistant turn's token, or the end of its turn); labels by position, as encode_pair's."""
-    labels = [t if keep else IGNORE for t, keep in zip(ids, learned)][:block_size]
-    pad = block_size - len(labels)
-    return ids[:block_size] + [pad_id] * pad, labels + [IGNORE] * pad
+def encode_chat(ids, learned, block_size):
+    """(input_ids, labels) of a rendered conversation, cut at block_size: learned[i] says whether position i is in
+    the loss (an assistant turn's token, or the end of its turn); labels by position, as encode_pair's. The
+    padding (packing.py) is IGNORE too, so a pad token that is also the end-of-sequence token is learned only
+    as an end."""
+    return ids[:block_size], [t if keep else IGNORE for t, keep in zip(ids, learned)][:block_size]
 
 
 def assistant_positions(tokenizer, messages):

@@ -1,9 +1,11 @@
 """LoRA through PEFT: the adapters put on a frozen model, and folded back into its weights for export.
 
-Owns finetune_lm.py's LoRA: its flags (add_lora_args), the model wrapped by PEFT on the --lora-targets linear
-layers (with_lora, raising LoraProblem with one message for targets the model does not have or that are not
-linear layers), and the base model's weights with the adapters merged in (merge_adapters), computed from the
-exported state dict, which holds every rank's shards gathered. It makes no distributed call.
+Owns finetune_lm.py's LoRA: its flags (add_lora_args) and the refusal of LoRA flags given without --lora-r
+(flags_without_rank), the model wrapped by PEFT on the --lora-targets linear layers (with_lora, raising
+LoraProblem with one message for targets the model does not have or that are not linear layers), how the
+adapters compute (in the compute dtype: see with_lora), and the base model's weights with the adapters merged
+in (merge_adapters), computed from the exported state dict, which holds every rank's shards gathered. It makes
+no distributed call.
 """
 
 import torch
@@ -13,13 +15,17 @@ class LoraProblem(ValueError):
     """--lora-targets the model cannot take: one message that names its linear layers."""
 
 
+LORA_FLAGS = ("--lora-alpha", "--lora-dropout", "--lora-targets", "--merge-lora")  # they act only with --lora-r
+
+
 def add_lora_args(parser):
     """The flags with_lora() and the export read: the rank, the scaling, the dropout, the targets, the merge."""
     parser.add_argument("--lora-r", type=int, default=0,
                         help="LoRA rank: train low-rank adapters on a frozen base model (0: a full fine-tune)")
     parser.add_argument("--lora-alpha", type=float, default=16.0,
                         help="LoRA: the adapters' output is scaled by alpha/r")
-    parser.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA: dropout on the adapters' input")
+    # 0, as torchtune's default: dropout copies the input of every adapted layer.
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA: dropout on the adapters' input")
     parser.add_argument("--lora-targets", default="all-linear",
                         help="LoRA: comma-separated names of the linear layers to adapt (all-linear: every linear "
                              "layer of the decoder blocks)")
@@ -27,11 +33,27 @@ def add_lora_args(parser):
                         help="LoRA: also export the base model with the adapters merged in, to OUTPUT_DIR/model")
 
 
-def with_lora(model, args):
+def flags_without_rank(args, argv):
+    """The refusal of LoRA flags given (in argv) to a full fine-tune (no --lora-r), or None: they would be ignored,
+    and the results would be a full fine-tune's where a LoRA run's were meant."""
+    given = [flag for flag in LORA_FLAGS if any(a == flag or a.startswith(flag + "=") for a in argv)]
+    if args.lora_r or not given:
+        return None
+    return (f"{' and '.join(given)} {'acts' if len(given) == 1 else 'act'} on LoRA adapters, and without --lora-r "
+            f"this run is a full fine-tune that trains none: add --lora-r (16, say), or drop {' and '.join(given)}")
+
+
+def with_lora(model, args, adapter_dtype=None):
     """The model wrapped by PEFT: every base parameter frozen in the dtype it was loaded in, LoRA adapters on
-    the --lora-targets linear layers, trainable and kept in fp32 by PEFT (autocast_adapter_dtype). Raises
-    LoraProblem."""
+    the --lora-targets linear layers, trainable. They compute in the compute dtype, and their master weights and
+    optimizer state stay fp32: PEFT keeps them in fp32 (autocast_adapter_dtype) and would cast each adapted
+    layer's input to fp32 and back (a copy of every input, and of its gradient) where autocast (one process, DDP,
+    FSDP2's mixed precision) computes them in bf16 anyway, to the same results; so the input stays as it comes.
+    Where no autocast runs (DeepSpeed in bf16 or fp16) adapter_dtype is that dtype: the adapters are cast to it,
+    and DeepSpeed keeps their fp32 master copy (ZeRO-1/2 cast them anyway; ZeRO-3 with zero.Init does not).
+    Raises LoraProblem."""
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
     targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                         target_modules=targets, task_type="CAUSAL_LM")
@@ -46,6 +68,13 @@ def with_lora(model, args):
     if other := [name for name in adapted if not isinstance(model.get_submodule(name).base_layer, torch.nn.Linear)]:
         raise LoraProblem(f"--lora-targets adapts {other[0]}, which is not a linear layer; name linear layers only, "
                           f"from {','.join(linear)}")
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
+    if adapter_dtype is not None:
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.data = parameter.data.to(adapter_dtype)
     return model
 
 
