@@ -23,7 +23,7 @@ import torch
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit import checkpoints, integrity, safe_loading  # noqa: E402
+from runkit import integrity, safe_loading, train_state  # noqa: E402
 
 
 class RunsCode:
@@ -179,20 +179,21 @@ def test_every_manifest_field_is_checked_for_type_and_range(tmp_path):
 
 
 def test_train_state_fields_are_checked_for_type_and_range():
-    """Issue 36, M1 and M2: what Run writes, field by field (checkpoints.TRAIN_STATE)."""
+    """Issue 36, M1 and M2: what Run writes, field by field (train_state.TRAIN_STATE)."""
     state = {"step": 2, "epoch": 0, "step_in_epoch": 2, "epochs_run": 1, "first_loss": 2.5, "final_loss": None,
-             "last_eval": None, "train_time": 1.5, "output_dir": "out",
+             "last_eval": None, "train_time": 1.5, "output_dir": "out", "stopped": False,
              "window": {"loss_sums": [1.0, 2.0], "micro": 1, "data_time": 0.1, "compute_time": 0.2}}
     layout = {**LAYOUT, "world_size": 2}
-    assert checkpoints._state_problem(manifest_with(train_state=state, layout=layout)) is None
+    assert train_state.state_problem(manifest_with(train_state=state, layout=layout)) is None
     cases = [({}, "its train_state lacks 'epoch'"), ({**state, "extra": 1}, "holds an unknown field 'extra'"),
              ({**state, "step": "2"}, "its train_state's step '2' is not of the type"),
              ({**state, "train_time": -1.0}, "its train_state's train_time -1.0 is not of the type"),
              ({**state, "step": 3}, "its train_state's step 3 is not its step 2"),
+             ({**state, "stopped": 1}, "its train_state's stopped 1 is not of the type"),
              ({**state, "window": {**state["window"], "loss_sums": [1.0]}}, "holds 1 loss sums for 2 processes"),
              ({**state, "window": {**state["window"], "micro": None}}, "its train_state's micro None is not")]
     for bad, words in cases:
-        assert words in checkpoints._state_problem(manifest_with(train_state=bad, layout=layout)), words
+        assert words in train_state.state_problem(manifest_with(train_state=bad, layout=layout)), words
 
 
 def test_a_manifest_lists_exactly_the_files_of_its_engine():

@@ -9,6 +9,7 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     resharding.py    a resume on another world size or --grad-accum: each per-rank rule, the universal checkpoint
     integrity.py     manifests, checksums shared by the ranks, a checkpoint read only through what was verified
     safe_loading.py  what a checkpoint file may contain: loading that never runs code, memory bounded by size
+    train_state.py   the training state a manifest holds: its fields, types and ranges, checked before a resume
     dirlock.py       one writer per --checkpoint-dir
     collectives.py   verdicts every rank reaches together: the main process's result, the first rank's problem
     sharded_model.py run.sharded_init(): the model built sharded under ZeRO-3 and FSDP

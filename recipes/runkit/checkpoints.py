@@ -54,7 +54,6 @@ from .integrity import (
     my_share,
     read_manifest,
     remove_entry,
-    whole,
     write_manifest,
 )
 from .resharding import (
@@ -69,63 +68,9 @@ from .resharding import (
 )
 from .resume_rules import checkpoint_kind, incompatibility, layout, reshaped
 from .safe_loading import UnsafeCheckpointFile, weights_only_loading
+from .train_state import state_problem
 
 NAME = re.compile(r"^step-(\d{8})$")
-
-
-def _number(value):
-    return type(value) in (int, float)
-
-
-def _scalar(value):
-    return value is None or type(value) in (int, float, str, bool)
-
-
-# What Run keeps in a checkpoint's train_state (run.py: the state Run.start makes, saved by Run._save), each field
-# with its type and range; a manifest whose train_state holds anything else is not one this code wrote. The window
-# (timing.py's window_state) is checked against the layout's world size in _state_problem.
-TRAIN_STATE = {
-    "step": whole, "epoch": whole, "step_in_epoch": whole, "epochs_run": whole,
-    "first_loss": lambda v: v is None or _number(v), "final_loss": lambda v: v is None or _number(v),
-    "last_eval": lambda v: v is None or (isinstance(v, dict) and whole(v.get("step"))
-                                         and all(_scalar(x) for x in v.values())),
-    "train_time": lambda v: _number(v) and v >= 0,
-    "window": lambda v: v is None or isinstance(v, dict),
-    "output_dir": lambda v: v is None or isinstance(v, str),
-}
-WINDOW = {"loss_sums": lambda v: isinstance(v, list) and all(_number(x) for x in v), "micro": whole,
-          "data_time": lambda v: _number(v) and v >= 0, "compute_time": lambda v: _number(v) and v >= 0}
-
-
-def _state_problem(manifest):
-    """None, or why a manifest's train_state is not one Run writes (TRAIN_STATE): a field missing, unknown, or of
-    another type or range; a step other than the manifest's; a log window of another world size."""
-    state = manifest["train_state"]
-    problem = _fields_problem(state, TRAIN_STATE) or (_fields_problem(state["window"], WINDOW) if state["window"]
-                                                      else None)
-    if problem:
-        return problem
-    if state["step"] != manifest["step"]:
-        return f"its train_state's step {state['step']} is not its step {manifest['step']}"
-    window = state["window"]
-    if window and len(window["loss_sums"]) != manifest["layout"]["world_size"]:
-        return f"its log window holds {len(window['loss_sums'])} loss sums for {manifest['layout']['world_size']} " \
-               f"processes"
-    return None
-
-
-def _fields_problem(part, fields):
-    """None, or the first field of `part` missing, unknown, or of another type or range than `fields` says."""
-    if set(part) != set(fields):
-        odd = sorted(set(part) ^ set(fields))[0]
-        return f"its train_state {'lacks' if odd in fields else 'holds an unknown field'} {_shown(odd)}"
-    bad = next((k for k, ok in fields.items() if not ok(part[k])), None)
-    return f"its train_state's {bad} {_shown(part[bad])} is not of the type and range Run writes" if bad else None
-
-
-def _shown(value):
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def lock_directory(accelerator, directory, resume="auto", recipe=None):
@@ -400,9 +345,9 @@ class Checkpointer:
 
     def _manifest_problem(self, manifest):
         """None, or why a manifest that read_manifest accepts is not one this run's save would have written: its
-        train_state (TRAIN_STATE), and its files, exactly those its engine and layout write for this run."""
+        train_state (train_state.py), and its files, exactly those its engine and layout write for this run."""
         acc = self.accelerator
-        return _state_problem(manifest) or files_problem(
+        return state_problem(manifest) or files_problem(
             manifest, len(acc._models), len(acc._optimizers), len(acc._schedulers))
 
     def choose(self, spec):
