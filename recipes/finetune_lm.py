@@ -41,7 +41,7 @@ fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpoint
 or FSDP2 with it, 14B only under ZeRO-3 with CPU offload. LoRA r 16: 8B under DDP, ZeRO-3 or FSDP2,
 14B and 32B with --gradient-checkpointing.
 
-Result: loss 5.74 to 0.39 (first CPU command), LoRA 3.49 to 1.38 (last), measured 2026-11-24, CPU (docs/recipes.md).
+Result: loss 5.74 to 0.37 (first CPU command), LoRA 3.83 to 1.36 (last), measured 2026-11-25, CPU (docs/recipes.md).
 """
 
 import argparse
