@@ -49,7 +49,6 @@ import functools
 import itertools
 import math
 import os
-import re
 import sys
 from datetime import timedelta
 
@@ -67,28 +66,16 @@ from torch.utils.data import DataLoader
 
 from finetune_data.examples import IGNORE, DataProblem, add_data_args, cut_note, load_examples
 from finetune_data.packing import attention_implementation, block_causal_mask, blocks_note
-from lora.adapters import LoraProblem, add_lora_args, flags_without_rank, merge_adapters, with_lora
+from lora.adapters import add_lora_args, flags_without_rank, merge_adapters
+from pretrained.loading import load_config_and_tokenizer, load_model, zero3_lora_note
 from runkit import Run, add_run_args
 from runkit.engines import run_label
+from runkit.flags import DefaultOnce
 
 # Flags a resumed run may change: they act after training or only on what is reported.
 AFTER_TRAINING = {"sample_tokens": "the answer at the end", "save_dtype": "the exported model",
                   "merge_lora": "the exported model", "peak_tflops": "MFU's denominator",
                   "timeout": "how long a collective may wait"}
-
-
-# A hub id: a name, or an organisation and a name. Anything else given to --model is a path.
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-
-
-class DefaultOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """--help gives each flag's default once: argparse's "(default: ...)", unless the help says it already or the
-    default is None (the help says what happens then)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or "default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def parse_args(argv=None):
@@ -125,28 +112,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load_config_and_tokenizer(name):
-    """(config, parameter count, tokenizer, error), before any weight is read. Called before the Accelerator
-    exists: under ZeRO-3 transformers would partition even a model on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # here: --help stays quick
-    path = os.path.expanduser(name)
-    if not os.path.isdir(path) and not HUB_ID.fullmatch(name):
-        return None, 0, None, (f"--model {name!r}: no such directory. Give a directory written by save_pretrained "
-                               f"(config.json, the weights and the tokenizer), or a hub id such as Qwen/Qwen2.5-0.5B")
-    try:
-        config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-        if tokenizer.eos_token_id is None:
-            raise ValueError("its tokenizer has no end-of-sequence token, which marks where a response ends")
-        with torch.device("meta"):
-            n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-        return config, n_params, tokenizer, None
-    except (OSError, ValueError) as exc:
-        local = "" if os.path.isdir(path) else ", and there is no local directory of that name"
-        return None, 0, None, (f"cannot load model {name!r} ({str(exc).splitlines()[0]}{local}). Offline, give a "
-                               f"local directory written by save_pretrained, or download it first on a machine with "
-                               f"internet (hf download)")
-
-
 def default_output_dir(args, accelerator):
     """runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA and -padded for --no-packing: runs that train
     differently keep their own results."""
@@ -174,46 +139,6 @@ def load_data(args, run, accelerator, tokenizer):
     if problem:
         run.fail(problem)
     return examples
-
-
-def load_model(args, run, accelerator, attention):
-    """(model, dtype of its frozen weights): the pretrained weights, loaded partitioned under ZeRO-3 and sharded
-    from the main process's copy under FSDP2, with the attention implementation `attention` (packing.py); LoRA
-    adapters on top with --lora-r."""
-    from transformers import AutoModelForCausalLM
-    # A full fine-tune keeps fp32 master weights; LoRA's frozen base needs none, so it loads in the compute dtype.
-    dtype = torch.float32
-    if args.lora_r:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    try:
-        with run.sharded_init(from_pretrained=True):  # ZeRO-3: partitioned while loaded; FSDP2: main's copy sharded
-            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=dtype,
-                                                         attn_implementation=attention)
-    except (OSError, ValueError) as exc:
-        run.fail(f"cannot load the weights of {args.model!r}: {str(exc).splitlines()[0]}")
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False  # no generation cache while training
-    if args.lora_r:
-        deepspeed = run.engine_facts["distributed_type"] == "DEEPSPEED"
-        try:  # DeepSpeed runs no autocast: its adapters compute in the dtype they are in
-            model = with_lora(model, args, adapter_dtype=dtype if deepspeed and dtype != torch.float32 else None)
-        except LoraProblem as exc:
-            run.fail(str(exc))
-    return model, dtype
-
-
-def zero3_lora_note(args, run, accelerator, n_params, dtype):
-    """Under ZeRO-3 with LoRA on GPUs that can each hold the frozen base: one line on the configs that do not
-    gather it layer by layer in every forward and backward (docs/configs.md)."""
-    if not (args.lora_r and run.engine_facts["deepspeed_stage"] == 3 and accelerator.device.type == "cuda"):
-        return
-    base_gb = n_params * dtype.itemsize / 1e9
-    index = accelerator.device.index if accelerator.device.index is not None else torch.cuda.current_device()
-    gpu_gb = torch.cuda.get_device_properties(index).total_memory / 1e9  # one process: "cuda", no index
-    if base_gb < gpu_gb / 2:
-        run.print(f"note: LoRA's frozen base ({base_gb:.1f} GB) fits one GPU ({gpu_gb:.0f} GB): 1gpu.yaml, 2gpu.yaml "
-                  f"or deepspeed_zero2.yaml keep it whole and gather nothing (docs/configs.md)")
 
 
 def adamw(trainable, args):
@@ -356,7 +281,7 @@ def main(argv=None):
     run.check_whole_model_fits(n_params)  # ZeRO-3 without zero3_init_flag loads it whole on every process
     data = load_data(args, run, accelerator, tokenizer)
     attention = attention_implementation(config, args.block_size)  # None: the model builds its own masks
-    model, dtype = load_model(args, run, accelerator, attention)
+    model, dtype = load_model(args, run, accelerator.mixed_precision, attention)
     zero3_lora_note(args, run, accelerator, n_params, dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     trained = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)  # ZeRO-3: the whole parameter's size

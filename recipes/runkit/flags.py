@@ -2,8 +2,8 @@
 
 Owns RUN_FLAGS and add_run_args(): the output directory and the progress lines, the checkpoint and stop flags
 (one group in --help: docs/checkpoints.md), and the reporting flags; and how a recipe's parser reports a wrong
-flag: one line, once (one_line_errors). Which of them a resumed run may change is
-resume_rules.py's (MAY_CHANGE); what each does is the module's that acts on it.
+flag: one line, once (one_line_errors), and a --help that gives each default once (DefaultOnce). Which of them
+a resumed run may change is resume_rules.py's (MAY_CHANGE); what each does is the module's that acts on it.
 """
 
 import argparse
@@ -74,3 +74,13 @@ def add_run_args(parser, name, log_every):
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="record a torch.profiler trace of STEPS optimizer steps (after 2 warm-up steps) into "
                              "OUTPUT_DIR/profile, one file per rank, for Perfetto or TensorBoard")
+
+
+class DefaultOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """--help gives each flag's default once: argparse's "(default: ...)", unless the help says it already or the
+    default is None (the help says what happens then)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)

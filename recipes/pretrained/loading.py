@@ -1,0 +1,81 @@
+"""A pretrained Hugging Face causal model for a fine-tune: read the way each engine needs it.
+
+Owns: --model's config and tokenizer, read before the Accelerator exists (with the parameter count, from a model
+on the meta device), and the messages for a path or hub id that cannot be read; the weights, loaded in the dtype
+a full or LoRA fine-tune trains them in, partitioned while loaded under ZeRO-3 and sharded from the main
+process's copy under FSDP2, with the attention implementation the recipe gives its masks (finetune_data/
+packing.py); LoRA's adapters on top (lora/adapters.py); and the one-line note for LoRA under ZeRO-3 on GPUs that
+can each hold the frozen base.
+"""
+
+import os
+import re
+
+import torch
+
+from lora.adapters import LoraProblem, with_lora
+
+# A hub id: a name, or an organisation and a name. Anything else given to --model is a path.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def load_config_and_tokenizer(name):
+    """(config, parameter count, tokenizer, error), before any weight is read. Called before the Accelerator
+    exists: under ZeRO-3 transformers would partition even a model on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # here: --help stays quick
+    path = os.path.expanduser(name)
+    if not os.path.isdir(path) and not HUB_ID.fullmatch(name):
+        return None, 0, None, (f"--model {name!r}: no such directory. Give a directory written by save_pretrained "
+                               f"(config.json, the weights and the tokenizer), or a hub id such as Qwen/Qwen2.5-0.5B")
+    try:
+        config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+        if tokenizer.eos_token_id is None:
+            raise ValueError("its tokenizer has no end-of-sequence token, which marks where a response ends")
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        return config, n_params, tokenizer, None
+    except (OSError, ValueError) as exc:
+        local = "" if os.path.isdir(path) else ", and there is no local directory of that name"
+        return None, 0, None, (f"cannot load model {name!r} ({str(exc).splitlines()[0]}{local}). Offline, give a "
+                               f"local directory written by save_pretrained, or download it first on a machine with "
+                               f"internet (hf download)")
+
+
+def load_model(args, run, mixed_precision, attention):
+    """(model, dtype of its frozen weights): the pretrained weights, loaded partitioned under ZeRO-3 and sharded
+    from the main process's copy under FSDP2, with the attention implementation `attention` (packing.py); LoRA
+    adapters on top with --lora-r."""
+    from transformers import AutoModelForCausalLM
+    # A full fine-tune keeps fp32 master weights; LoRA's frozen base needs none, so it loads in the compute dtype.
+    dtype = torch.float32
+    if args.lora_r:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+    try:
+        with run.sharded_init(from_pretrained=True):  # ZeRO-3: partitioned while loaded; FSDP2: main's copy sharded
+            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=dtype,
+                                                         attn_implementation=attention)
+    except (OSError, ValueError) as exc:
+        run.fail(f"cannot load the weights of {args.model!r}: {str(exc).splitlines()[0]}")
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # no generation cache while training
+    if args.lora_r:
+        deepspeed = run.engine_facts["distributed_type"] == "DEEPSPEED"
+        try:  # DeepSpeed runs no autocast: its adapters compute in the dtype they are in
+            model = with_lora(model, args, adapter_dtype=dtype if deepspeed and dtype != torch.float32 else None)
+        except LoraProblem as exc:
+            run.fail(str(exc))
+    return model, dtype
+
+
+def zero3_lora_note(args, run, accelerator, n_params, dtype):
+    """Under ZeRO-3 with LoRA on GPUs that can each hold the frozen base: one line on the configs that do not
+    gather it layer by layer in every forward and backward (docs/configs.md)."""
+    if not (args.lora_r and run.engine_facts["deepspeed_stage"] == 3 and accelerator.device.type == "cuda"):
+        return
+    base_gb = n_params * dtype.itemsize / 1e9
+    index = accelerator.device.index if accelerator.device.index is not None else torch.cuda.current_device()
+    gpu_gb = torch.cuda.get_device_properties(index).total_memory / 1e9  # one process: "cuda", no index
+    if base_gb < gpu_gb / 2:
+        run.print(f"note: LoRA's frozen base ({base_gb:.1f} GB) fits one GPU ({gpu_gb:.0f} GB): 1gpu.yaml, 2gpu.yaml "
+                  f"or deepspeed_zero2.yaml keep it whole and gather nothing (docs/configs.md)")
