@@ -69,6 +69,15 @@ def test_a_lock_that_is_not_one_is_a_message_or_a_takeover(tmp_path, capsys):
     assert taker.acquire() is None and "it is a symbolic link" in capsys.readouterr().err
     taker.release()
     assert not (tmp_path / "nowhere").exists()
+    # A stale lock, and a FIFO at .lock.takeover (fresh; an old one is removed): the message names the FIFO.
+    lock.write_text("not json {")
+    os.utime(lock, (0, 0))
+    os.mkfifo(tmp_path / ".lock.takeover")
+    refused = dirlock.DirectoryLock(tmp_path).acquire()
+    assert f"{tmp_path / '.lock.takeover'} says another run is taking it over" in refused
+    assert f"rm {tmp_path / '.lock.takeover'}" in refused and lock.exists()
+    os.unlink(tmp_path / ".lock.takeover")
+    lock.unlink()
     # A FIFO: one message naming it, no blocking open.
     os.mkfifo(lock)
     assert f"{lock} is not a lock file this code writes (a FIFO" in dirlock.DirectoryLock(tmp_path).acquire()

@@ -94,7 +94,7 @@ class DirectoryLock:
                 if why is None:
                     return self._refusal(holder)
                 if not self._take_over(holder, why):
-                    return self._refusal(holder)
+                    return self._being_taken_over(why)
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(self.me, f)
@@ -190,6 +190,14 @@ class DirectoryLock:
                 f"Two runs writing one directory would mix and rotate away each other's checkpoints: wait for "
                 f"that run to end, or give this one another --checkpoint-dir. If that run is dead, its lock is "
                 f"taken over after {STALE_S} s without a heartbeat (or delete the file).")
+
+    def _being_taken_over(self, why):
+        """The message when a stale lock cannot be taken over because .lock.takeover exists (a run replacing
+        the lock right now, or whatever someone put there: a FIFO, a link; one older than 60 s is removed)."""
+        guard = os.path.join(os.path.dirname(self.path), TAKEOVER)
+        return (f"--checkpoint-dir {os.path.dirname(self.path)}: its lock {self.path} is stale ({why}), and {guard} "
+                f"says another run is taking it over right now. Wait a minute and run again; if no other run is "
+                f"starting on this directory, remove {guard} (rm {guard}).")
 
     def _mine(self):
         try:
