@@ -8,7 +8,6 @@ The DCP attacks use the FSDP reference run of test_checkpoint_resume.py. Every r
 """
 
 import hashlib
-import io
 import json
 import os
 import pickle
@@ -22,6 +21,7 @@ import torch
 
 from launching import CPU_SHIM, DATA_ARGS, FP32, REPO, TRAINING, check_exit, recipe_processes, run_command
 from run_checks import assert_refused
+from tampering import deflated
 
 sys.path.insert(0, str(REPO / "recipes"))
 from runkit import integrity, safe_loading  # noqa: E402
@@ -173,15 +173,9 @@ def test_a_file_the_manifest_leaves_out_is_refused(written, data_dir, tmp_path):
 
 def test_a_compressed_torch_file_is_refused_before_loading(written, data_dir, tmp_path):
     """optimizer.bin rewritten with compressed zip entries (a few MB can inflate to GB), its checksum updated."""
-    import zipfile
-
     ckpt = copy(written, tmp_path, 6)
     path = ckpt / "step-00000006" / "optimizer.bin"
-    with zipfile.ZipFile(path) as plain:
-        entries = [(info.filename, plain.read(info)) for info in plain.infolist()]
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as packed:
-        for name, data in entries:
-            packed.writestr(name, data)
+    path.write_bytes(deflated(path.read_bytes()))
     rehash(ckpt / "step-00000006", "optimizer.bin")
     code, output = resume(data_dir, tmp_path, "--resume", str(ckpt / "step-00000006"))
     refused(code, output, "optimizer.bin: refused (its entries are compressed")
@@ -456,21 +450,14 @@ def test_a_compressed_dcp_slice_is_refused_before_loading(launch, reference, tmp
     """D1: every slice of rank 0's model shard (__0_0.distcp) rewritten as a deflate-compressed torch zip, the
     .metadata's offsets and the checksums updated; resumed by 1 process (FSDP 2 -> 1): refused by name before
     loading (it loaded: a few MB can inflate to GB)."""
-    import zipfile
-
     work, metadata = fsdp_copy(reference, tmp_path)
     shard = work / "pytorch_model_fsdp_0" / "__0_0.distcp"
     data, packed = shard.read_bytes(), bytearray()
     for info in sorted((i for i in metadata.storage_data.values() if i.relative_path == "__0_0.distcp"),
                        key=lambda i: i.offset):
-        with zipfile.ZipFile(io.BytesIO(data[info.offset:info.offset + info.length])) as plain:
-            entries = [(e.filename, plain.read(e)) for e in plain.infolist()]
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as deflated:
-            for name, content in entries:
-                deflated.writestr(name, content)
-        info.offset, info.length = len(packed), len(buffer.getvalue())
-        packed += buffer.getvalue()
+        compressed = deflated(data[info.offset:info.offset + info.length])
+        info.offset, info.length = len(packed), len(compressed)
+        packed += compressed
     shard.write_bytes(bytes(packed))
     rehash(work, "pytorch_model_fsdp_0/__0_0.distcp")
     write_metadata(work, metadata)
