@@ -272,8 +272,8 @@ def main(argv=None):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
         # non_blocking with pinned batches: the copy to the GPU is queued, the host does not wait for the GPU
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, non_blocking=True))
-    args.output_dir = args.output_dir or default_output_dir(args, accelerator)
-    run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm)
+    run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm,
+              default_output_dir=default_output_dir(args, accelerator))
     set_seed(args.seed)
     if problem := error or flags_without_rank(args, sys.argv[1:] if argv is None else argv):
         run.fail(problem)

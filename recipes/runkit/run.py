@@ -114,11 +114,14 @@ class Run:
         self.model_init = BUILT_WHOLE
 
     # ---- before prepare() -------------------------------------------------------------------------
-    def setup(self, accelerator, *, batch_size, max_grad_norm=0.0, eval_batch_size=None, refuse_offload=None):
+    def setup(self, accelerator, *, batch_size, max_grad_norm=0.0, eval_batch_size=None, refuse_offload=None,
+              default_output_dir=None):
         """Launch checks (no rank trains alone, the global batch divides), DeepSpeed clipping like
         max_grad_norm, the output directory, and --checkpoint-dir's lock. refuse_offload: (why, instead)
-        for SGD recipes. The accumulation steps are the Accelerator's, read here, before prepare(): a DeepSpeed
-        config that says otherwise is refused in start()."""
+        for SGD recipes. default_output_dir: where the results go without --output-dir (runs/<name>/<how it
+        runs> if None); a resumed run without --output-dir stays in its checkpoint's. The accumulation steps are
+        the Accelerator's, read here, before prepare(): a DeepSpeed config that says otherwise is refused in
+        start()."""
         self.accelerator, self.print = accelerator, main_print(accelerator)
         self.batch_size, self.max_grad_norm = batch_size, max_grad_norm
         self.grad_accum = accelerator.gradient_accumulation_steps
@@ -130,14 +133,30 @@ class Run:
         deepspeed_clip_like(accelerator, max_grad_norm)
         fsdp_reduce_in_fp32(accelerator)
         self.engine_facts = engine_facts(accelerator)
-        self.output_dir = self.args.output_dir or os.path.join("runs", self.name, run_label(accelerator))
-        accelerator.project_configuration.set_directories(self.output_dir)  # the trackers write under it
+        self._write_results_to(self.args.output_dir or default_output_dir
+                               or os.path.join("runs", self.name, run_label(accelerator)))
+        # The directory's lock first: a second run on it stops in seconds, before it loads data or a model.
+        self.lock = lock_directory(accelerator, self.args.checkpoint_dir, self.args.resume, self.name)
+
+    def _write_results_to(self, output_dir):
+        self.output_dir = output_dir
+        self.accelerator.project_configuration.set_directories(output_dir)  # the trackers write under it
         if self.args.report_to == "tensorboard":
             # What Accelerator(log_with=...) would do, once the output directory is known: it depends on the
             # engine, and accelerate refuses a tracker without a logging directory at construction.
-            accelerator.log_with = filter_trackers("tensorboard", self.output_dir)
-        # The directory's lock first: a second run on it stops in seconds, before it loads data or a model.
-        self.lock = lock_directory(accelerator, self.args.checkpoint_dir, self.args.resume, self.name)
+            self.accelerator.log_with = filter_trackers("tensorboard", output_dir)
+
+    def _stay_with_the_checkpoints_results(self, state):
+        """A resumed run without --output-dir continues the results where its checkpoint's run wrote them: the
+        default directory names how a run runs, and a resume on another world size or engine would start a
+        second one and split the metrics' history in two."""
+        recorded = state.get("output_dir")
+        if self.args.output_dir or not recorded or recorded == self.output_dir:
+            return None
+        moved_from = self.output_dir
+        self._write_results_to(recorded)
+        return (f"results: in {recorded}, with the run this checkpoint comes from (not {moved_from}; give "
+                f"--output-dir to write elsewhere)")
 
     @contextlib.contextmanager
     def sharded_init(self, from_pretrained=False):
@@ -184,11 +203,14 @@ class Run:
         chosen = self.checkpointer.choose(args.resume)
         if chosen and chosen[1]["train_state"]["step"] >= total_steps:
             self._already_complete(*chosen)
+        staying = chosen and self._stay_with_the_checkpoints_results(chosen[1]["train_state"])
         self.print(self._first_line(optimizer, describe))
         self.state = {"epoch": 0, "step_in_epoch": 0, "step": 0, "epochs_run": 0, "first_loss": None,
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
         if chosen:
             self.state.update(self.checkpointer.load(*chosen))  # the log window as this run's ranks carry it
+        if staying:
+            self.print(staying)
         self.resumed_from = self.state["step"] or None
         self.resumed_layout = chosen[1]["layout"] if chosen else None
         self.peaks_at_start = peaks_at_start(acc)  # building, preparing and loading the model: collective
