@@ -390,8 +390,9 @@ def test_a_resume_must_match_every_training_flag(shelf, shelf_data):
 @pytest.mark.slow
 def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
     """1 process, then 2-process DDP, from the same working directory and without --output-dir: each keeps
-    its results in runs/mnist/<how it runs>. 10 steps per epoch with --checkpoint-every 3: saves at 3, 6, 9,
-    12, 15, 18 and the last step 20, none at the epoch's end (step 10)."""
+    its results in runs/mnist/<how it runs>, and a resume on 2 processes stays in its checkpoint's. 10 steps per
+    epoch with --checkpoint-every 3: saves at 3, 6, 9, 12, 15, 18 and the last step 20, none at the epoch's end
+    (step 10)."""
     common = [str(REPO / "recipes" / "mnist.py"), "--data-dir", str(data_dir), *DATA_ARGS, "--epochs", "2",
               "--batch-size", "200", "--log-every", "5"]
     single = [sys.executable, *common, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3",
@@ -415,6 +416,20 @@ def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
     code, output = run_command(single, cwd=tmp_path)
     assert code == 0 and "this run is already complete" in output and "runs/mnist/1proc" in output, output[-3000:]
     assert digest(alone / "summary.json") == first
+
+    # Its step 9 resumed by 2 processes, still without --output-dir: the results go on in runs/mnist/1proc, one
+    # metrics history, not a second one begun in ddp-2proc (issue 35, item 8).
+    resumed = [*ddp[:-2], "--resume", str(tmp_path / "ckpt" / "step-00000009"), "--checkpoint-dir",
+               str(tmp_path / "ckpt-resumed")]
+    code, output = run_command(resumed, env={"ACCELERATE_USE_CPU": "1"}, cwd=tmp_path)
+    assert code == 0, output[-3000:]
+    assert ("results: in runs/mnist/1proc, with the run this checkpoint comes from (not runs/mnist/ddp-2proc; give "
+            "--output-dir to write elsewhere)") in output
+    summary = json.loads((alone / "summary.json").read_text())
+    assert (summary["world_size"], summary["resumed_from_step"], summary["steps"]) == (2, 9, 20)
+    steps = [json.loads(line)["step"] for line in (alone / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 20, steps
+    assert json.loads((tmp_path / "runs" / "mnist" / "ddp-2proc" / "summary.json").read_text())["steps"] == 2
 
 
 def test_run_refuses_a_namespace_without_its_flags():

@@ -13,7 +13,7 @@ import sys
 import pytest
 from PIL import Image
 
-from launching import CONFIG_FILES, FP32, OFFLOAD, REPO, LaunchResult, launch_command, run_command
+from launching import CONFIG_FILES, OFFLOAD, REPO, LaunchResult
 from run_checks import assert_engine, assert_refused
 
 pytestmark = pytest.mark.slow
@@ -78,33 +78,6 @@ def test_linear_regression_follows_hand_written_sgd(shelf):
     assert len(run.metrics) == len(expected) == 16
     for record, (m, n) in zip(run.metrics, expected):
         assert abs(record["m"] - m) <= 1e-6 and abs(record["n"] - n) <= 1e-6, (record, m, n)
-
-
-def test_a_resume_on_another_world_size_keeps_its_results_in_one_directory(tmp_path):
-    """Issue 35, item 8: without --output-dir the results go to runs/<recipe>/<how it runs>, and a 2 -> 1 resume
-    went on in a second directory, the metrics' history split in two. Now it stays in its checkpoint's."""
-    first_ckpt, resumed_ckpt = tmp_path / "ckpt", tmp_path / "ckpt-resumed"
-
-    def launch_in_tmp_path(config, *extra):
-        cmd, env = launch_command(config, None, tmp_path / "unused", "--epochs", "2", "--num-points", "256",
-                                  "--batch-size", "32", "--checkpoint-every", "4", "--keep-last", "0", *extra,
-                                  launch_args=FP32, recipe=str(REPO / "recipes" / "linear_regression.py"))
-        at = cmd.index("--output-dir")
-        del cmd[at:at + 2]  # the default directory is the point
-        returncode, output = run_command(cmd, env=env, cwd=tmp_path)
-        assert returncode == 0, output[-4000:]
-        return output
-
-    launch_in_tmp_path("2gpu.yaml", "--checkpoint-dir", str(first_ckpt))
-    resumed = launch_in_tmp_path("cpu.yaml", "--resume", str(first_ckpt / "step-00000004"),
-                                 "--checkpoint-dir", str(resumed_ckpt))
-    runs = tmp_path / "runs" / "linear_regression"
-    assert sorted(p.name for p in runs.iterdir()) == ["ddp-2proc"]
-    assert ("results: in runs/linear_regression/ddp-2proc, with the run this checkpoint comes from (not "
-            "runs/linear_regression/1proc; give --output-dir to write elsewhere)") in resumed
-    result = LaunchResult(0, resumed, runs / "ddp-2proc")
-    assert (result.summary["world_size"], result.summary["resumed_from_step"]) == (1, 4)
-    assert [r["step"] for r in result.metrics] == list(range(1, 17))  # one history: no step missing or twice
 
 
 def test_linear_regression_scale_lr(shelf):
