@@ -231,19 +231,30 @@ def check_exit(output, what="the launch"):
 
 
 def run_command(cmd, env=None, timeout=600, cwd=REPO):
-    """Run in its own process group; on a timeout kill the whole group so nothing is left behind. A process of it
-    that aborts fails the test (check_exit)."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout}s; output:\n{output[-5000:]}")
-    check_exit(output, " ".join(map(str, cmd[:6])))
-    return proc.returncode, output
+    """(exit code, output) of cmd, run in its own process group; on a timeout kill the whole group so nothing is
+    left behind. A process of it that aborts fails the test (check_exit)."""
+    return run_commands([(cmd, env)], timeout, cwd)[0]
+
+
+def run_commands(commands, timeout=600, cwd=REPO):
+    """run_command for several (cmd, env) at once: for short runs that spend most of their time starting Python."""
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                                                     **(env or {})),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for cmd, env in commands]
+    results, deadline = [], time.monotonic() + timeout
+    for (cmd, _), proc in zip(commands, procs):
+        try:
+            output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                if other.poll() is None:
+                    os.killpg(other.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout}s; output:\n{output[-5000:]}")
+        check_exit(output, " ".join(map(str, cmd[:6])))
+        results.append((proc.returncode, output))
+    return results
 
 
 # A stop signal ends a run within this time: the next agreement (a progress line), a checkpoint and the

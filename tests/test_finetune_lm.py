@@ -29,7 +29,7 @@ from launching import (
     REPO,
     LaunchResult,
     finetune_args,
-    run_command,
+    run_commands,
 )
 from run_checks import assert_engine, assert_refused, assert_shards_held
 from tiny_hf import conversations, corpus, uneven_pairs
@@ -217,15 +217,17 @@ def test_resume_with_another_grad_accum_from_an_odd_step(finetune, tmp_path):
 @pytest.mark.slow
 def test_each_input_error_is_one_clear_message(finetune, hf, tmp_path):
     offline = {"HF_HUB_OFFLINE": "1"}
-    for args, env, words in [
+    cases = [
         (["--model", "no-such-org/no-such-model"], offline, "cannot load model 'no-such-org/no-such-model'"),
         (["--block-size", "4096"], {}, "longer than"),
         (["--model", "./llama-8b"], offline, "--model './llama-8b': no such directory"),  # not "a malformed hub id"
         (["--merge-lora"], {}, "--merge-lora acts on LoRA adapters, and without --lora-r this run is a full"),
-    ]:
-        out = tmp_path / f"out{len(words)}"
-        cmd = [sys.executable, "recipes/finetune_lm.py", *finetune_args(hf), "--output-dir", str(out), *args]
-        assert_refused(LaunchResult(*run_command(cmd, env=env), out), words)
+    ]
+    outs = [tmp_path / f"out{i}" for i in range(len(cases))]
+    commands = [([sys.executable, "recipes/finetune_lm.py", *finetune_args(hf), "--output-dir", str(out), *args], env)
+                for out, (args, env, _) in zip(outs, cases)]
+    for out, (_, _, words), result in zip(outs, cases, run_commands(commands)):
+        assert_refused(LaunchResult(*result, out), words)
     # Columns that are not there, found by the main process while the other waits for its cache: both leave.
     (hf / "qa.jsonl").write_text("".join(json.dumps({"question": p, "answer": r}) + "\n" for p, r in corpus(40)))
     columns = finetune("2gpu.yaml", data="qa.jsonl", check=False)
