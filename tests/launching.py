@@ -237,24 +237,32 @@ def run_command(cmd, env=None, timeout=600, cwd=REPO):
 
 
 def run_commands(commands, timeout=600, cwd=REPO):
-    """run_command for several (cmd, env) at once: for short runs that spend most of their time starting Python."""
-    procs = [subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                                                     **(env or {})),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for cmd, env in commands]
-    results, deadline = [], time.monotonic() + timeout
-    for (cmd, _), proc in zip(commands, procs):
-        try:
-            output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                if other.poll() is None:
-                    os.killpg(other.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout}s; output:\n{output[-5000:]}")
+    """run_command for several (cmd, env) at once: for short runs that spend most of their time starting Python.
+    Whatever ends the wait (a hang, an abort, an error), no process of any of them is left running."""
+    procs = []
+    try:
+        for cmd, env in commands:
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                                 PYTHONUNBUFFERED="1", **(env or {})),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        deadline = time.monotonic() + timeout
+        outputs = []
+        for (cmd, _), proc in zip(commands, procs):
+            try:
+                outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout}s; output:\n{proc.communicate()[0][-5000:]}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            proc.stdout.close()
+    for (cmd, _), output in zip(commands, outputs):
         check_exit(output, " ".join(map(str, cmd[:6])))
-        results.append((proc.returncode, output))
-    return results
+    return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
 
 
 # A stop signal ends a run within this time: the next agreement (a progress line), a checkpoint and the

@@ -18,6 +18,7 @@ import datetime
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -271,18 +272,24 @@ def wrong_flag(recipe):
 
 @pytest.fixture(scope="module")
 def help_and_wrong_flag():
-    """{recipe name: (its --help, its run with an abbreviated flag)}, each a CompletedProcess. The 14 interpreters
+    """{recipe name: (its --help, its run with an abbreviated flag)}, each a CompletedProcess. The interpreters
     start at once: each spends seconds importing torch, and one after the other they took a third of this file."""
     commands = {}
     for recipe in TRAINING_RECIPES:
         commands[recipe.name, "help"] = [sys.executable, str(recipe), "--help"]
         commands[recipe.name, "wrong"] = [sys.executable, f"recipes/{recipe.name}", wrong_flag(recipe), "1"]
-    running = {key: subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for key, cmd in commands.items()}
-    done = {}
-    for key, proc in running.items():
-        out, err = proc.communicate(timeout=300)
-        done[key] = subprocess.CompletedProcess(commands[key], proc.returncode, out, err)
+    running = {}
+    try:
+        for key, cmd in commands.items():
+            running[key] = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        done = {}
+        for key, proc in running.items():
+            out, err = proc.communicate(timeout=300)
+            done[key] = subprocess.CompletedProcess(commands[key], proc.returncode, out, err)
+    finally:  # a hung --help: none of them outlives the test
+        for proc in running.values():
+            proc.kill()
+            proc.wait()
     return {recipe.name: (done[recipe.name, "help"], done[recipe.name, "wrong"]) for recipe in TRAINING_RECIPES}
 
 
@@ -293,7 +300,7 @@ def test_help_shows_defaults_and_a_wrong_flag_is_one_line(recipe, help_and_wrong
     result, wrong = help_and_wrong_flag[recipe.name]
     assert result.returncode == 0 and "(default:" in result.stdout
     flag = wrong_flag(recipe)
-    assert flag.lstrip("-") in result.stdout  # it abbreviates a real flag
+    assert re.search(rf"{re.escape(flag)}\S", result.stdout), flag  # it abbreviates a real flag
     assert wrong.returncode == 2 and wrong.stdout == ""
     assert wrong.stderr == (f"{recipe.name}: error: unrecognized arguments: {flag} 1 (python3 recipes/{recipe.name} "
                             f"--help lists the flags)\n"), wrong.stderr
@@ -390,7 +397,7 @@ def test_a_resume_must_match_every_training_flag(shelf, shelf_data):
 @pytest.mark.slow
 def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
     """1 process, then 2-process DDP, from the same working directory and without --output-dir: each keeps
-    its results in runs/mnist/<how it runs>, and a resume on 2 processes stays in its checkpoint's. 10 steps per
+    its results in runs/mnist/<how it runs>; continued on 2 processes it stays there, branched it does not. 10 steps per
     epoch with --checkpoint-every 3: saves at 3, 6, 9, 12, 15, 18 and the last step 20, none at the epoch's end
     (step 10)."""
     common = [str(REPO / "recipes" / "mnist.py"), "--data-dir", str(data_dir), *DATA_ARGS, "--epochs", "2",
@@ -417,10 +424,12 @@ def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
     assert code == 0 and "this run is already complete" in output and "runs/mnist/1proc" in output, output[-3000:]
     assert digest(alone / "summary.json") == first
 
-    # Its step 9 resumed by 2 processes, still without --output-dir: the results go on in runs/mnist/1proc, one
-    # metrics history, not a second one begun in ddp-2proc (issue 35, item 8).
-    resumed = [*ddp[:-2], "--resume", str(tmp_path / "ckpt" / "step-00000009"), "--checkpoint-dir",
-               str(tmp_path / "ckpt-resumed")]
+    # As if it had been stopped after step 9's save: the same run continued by 2 processes, still without
+    # --output-dir, goes on in runs/mnist/1proc (its tracker too), one metrics history, not a second one begun
+    # in ddp-2proc (issue 35, item 8).
+    for step in (12, 15, 18, 20):
+        shutil.rmtree(tmp_path / "ckpt" / f"step-{step:08d}")
+    resumed = [*ddp[:-2], *single[len(common) + 1:], "--report-to", "tensorboard"]
     code, output = run_command(resumed, env={"ACCELERATE_USE_CPU": "1"}, cwd=tmp_path)
     assert code == 0, output[-3000:]
     assert ("results: in runs/mnist/1proc, with the run this checkpoint comes from (not runs/mnist/ddp-2proc; give "
@@ -429,7 +438,19 @@ def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
     assert (summary["world_size"], summary["resumed_from_step"], summary["steps"]) == (2, 9, 20)
     steps = [json.loads(line)["step"] for line in (alone / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 20, steps
+    assert (alone / "tensorboard").is_dir() and not (tmp_path / "runs" / "mnist" / "ddp-2proc" / "tensorboard").exists()
     assert json.loads((tmp_path / "runs" / "mnist" / "ddp-2proc" / "summary.json").read_text())["steps"] == 2
+
+    # Step 9 given to a run with a --checkpoint-dir of its own is a branch: it keeps its default directory and
+    # leaves the original's results alone.
+    continued = digest(alone / "metrics.jsonl")
+    branch = [*ddp[:-2], "--resume", str(tmp_path / "ckpt" / "step-00000009"), "--checkpoint-dir",
+              str(tmp_path / "branch")]
+    code, output = run_command(branch, env={"ACCELERATE_USE_CPU": "1"}, cwd=tmp_path)
+    assert code == 0 and "results: in" not in output, output[-3000:]
+    branched = json.loads((tmp_path / "runs" / "mnist" / "ddp-2proc" / "summary.json").read_text())
+    assert (branched["resumed_from_step"], branched["output_dir"]) == (9, "runs/mnist/ddp-2proc")
+    assert digest(alone / "metrics.jsonl") == continued
 
 
 def test_run_refuses_a_namespace_without_its_flags():

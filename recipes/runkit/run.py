@@ -140,18 +140,23 @@ class Run:
 
     def _write_results_to(self, output_dir):
         self.output_dir = output_dir
-        self.accelerator.project_configuration.set_directories(output_dir)  # the trackers write under it
+        config = self.accelerator.project_configuration
+        config.set_directories(output_dir)  # the trackers write under it
+        config.logging_dir = output_dir  # set_directories keeps a logging_dir set before: a resume moves it
         if self.args.report_to == "tensorboard":
             # What Accelerator(log_with=...) would do, once the output directory is known: it depends on the
             # engine, and accelerate refuses a tracker without a logging directory at construction.
             self.accelerator.log_with = filter_trackers("tensorboard", output_dir)
 
-    def _stay_with_the_checkpoints_results(self, state):
-        """A resumed run without --output-dir continues the results where its checkpoint's run wrote them: the
-        default directory names how a run runs, and a resume on another world size or engine would start a
-        second one and split the metrics' history in two."""
+    def _stay_with_the_checkpoints_results(self, path, state):
+        """A run that continues its --checkpoint-dir without --output-dir writes its results where that run wrote
+        them: the default directory names how a run runs, and a resume on another world size or engine would start
+        a second one and split the metrics' history in two. A checkpoint from elsewhere (--resume into another
+        --checkpoint-dir) starts a branch, which keeps the default and leaves the original's results alone."""
         recorded = state.get("output_dir")
-        if self.args.output_dir or not recorded or recorded == self.output_dir:
+        continues = (self.args.checkpoint_dir is not None
+                     and os.path.realpath(os.path.dirname(path)) == os.path.realpath(self.args.checkpoint_dir))
+        if self.args.output_dir or not recorded or recorded == self.output_dir or not continues:
             return None
         moved_from = self.output_dir
         self._write_results_to(recorded)
@@ -203,7 +208,7 @@ class Run:
         chosen = self.checkpointer.choose(args.resume)
         if chosen and chosen[1]["train_state"]["step"] >= total_steps:
             self._already_complete(*chosen)
-        staying = chosen and self._stay_with_the_checkpoints_results(chosen[1]["train_state"])
+        staying = chosen and self._stay_with_the_checkpoints_results(chosen[0], chosen[1]["train_state"])
         self.print(self._first_line(optimizer, describe))
         self.state = {"epoch": 0, "step_in_epoch": 0, "step": 0, "epochs_run": 0, "first_loss": None,
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
@@ -464,7 +469,7 @@ class Run:
         numbers = [k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
         extra = {**shards, "timing": timing, **summary, "checkpoints": self.checkpointer.times}
         write_summary(out, {
-            "recipe": self.name, **self.engine_facts, "optimizer": optimizer_name(self.optimizer),
+            "recipe": self.name, "output_dir": out, **self.engine_facts, "optimizer": optimizer_name(self.optimizer),
             "optimizer_implementation": implementation(self.optimizer), "steps": s["step"],
             "epochs": s["epochs_run"], "resumed_from_step": self.resumed_from,
             "resumed_from_world_size": self.resumed_layout and self.resumed_layout["world_size"],
