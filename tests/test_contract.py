@@ -416,7 +416,8 @@ def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
            *common, "--max-steps", "2"]
     code, output = run_command(ddp, env={"ACCELERATE_USE_CPU": "1"}, cwd=tmp_path)
     assert code == 0, output[-3000:]
-    assert json.loads((tmp_path / "runs" / "mnist" / "ddp-2proc" / "summary.json").read_text())["world_size"] == 2
+    pair = tmp_path / "runs" / "mnist" / "ddp-2proc"
+    assert json.loads((pair / "summary.json").read_text())["world_size"] == 2
     assert sorted(p.name for p in (tmp_path / "runs" / "mnist").iterdir()) == ["1proc", "ddp-2proc"]
 
     # The first command again: complete, results named, nothing rewritten, exit 0.
@@ -438,8 +439,8 @@ def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
     assert (summary["world_size"], summary["resumed_from_step"], summary["steps"]) == (2, 9, 20)
     steps = [json.loads(line)["step"] for line in (alone / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 20, steps
-    assert (alone / "tensorboard").is_dir() and not (tmp_path / "runs" / "mnist" / "ddp-2proc" / "tensorboard").exists()
-    assert json.loads((tmp_path / "runs" / "mnist" / "ddp-2proc" / "summary.json").read_text())["steps"] == 2
+    assert (alone / "tensorboard").is_dir() and not (pair / "tensorboard").exists()
+    assert json.loads((pair / "summary.json").read_text())["steps"] == 2
 
     # Step 9 given to a run with a --checkpoint-dir of its own is a branch: it keeps its default directory and
     # leaves the original's results alone.
@@ -448,7 +449,7 @@ def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
               str(tmp_path / "branch")]
     code, output = run_command(branch, env={"ACCELERATE_USE_CPU": "1"}, cwd=tmp_path)
     assert code == 0 and "results: in" not in output, output[-3000:]
-    branched = json.loads((tmp_path / "runs" / "mnist" / "ddp-2proc" / "summary.json").read_text())
+    branched = json.loads((pair / "summary.json").read_text())
     assert (branched["resumed_from_step"], branched["output_dir"]) == (9, "runs/mnist/ddp-2proc")
     assert digest(alone / "metrics.jsonl") == continued
 

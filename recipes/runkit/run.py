@@ -119,9 +119,9 @@ class Run:
         """Launch checks (no rank trains alone, the global batch divides), DeepSpeed clipping like
         max_grad_norm, the output directory, and --checkpoint-dir's lock. refuse_offload: (why, instead)
         for SGD recipes. default_output_dir: where the results go without --output-dir (runs/<name>/<how it
-        runs> if None); a resumed run without --output-dir stays in its checkpoint's. The accumulation steps are
-        the Accelerator's, read here, before prepare(): a DeepSpeed config that says otherwise is refused in
-        start()."""
+        runs> if None); start() moves a run that continues its --checkpoint-dir to its checkpoint's. The
+        accumulation steps are the Accelerator's, read here, before prepare(): a DeepSpeed config that says
+        otherwise is refused in start()."""
         self.accelerator, self.print = accelerator, main_print(accelerator)
         self.batch_size, self.max_grad_norm = batch_size, max_grad_norm
         self.grad_accum = accelerator.gradient_accumulation_steps
