@@ -36,12 +36,7 @@ import json
 import os
 import sys
 
-import torch
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
-from torch.utils.data import DataLoader
-
-from runkit import engines, exits, flags, refusals, reporting
+from runkit import flags
 
 
 def parse_args(argv=None):
@@ -58,6 +53,17 @@ def parse_args(argv=None):
                    help="skip set_seed (the mistake): the ranks then shuffle differently and overlap")
     p.add_argument("--output-dir", default="runs/data_sharding", help="summary.json and shards.json")
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and a wrong flag answer here, before torch and the rest are imported (seconds)
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
+from torch.utils.data import DataLoader
+
+from runkit import engines, exits, refusals, reporting
 
 
 def main(argv=None):

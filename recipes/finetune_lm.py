@@ -52,24 +52,9 @@ import os
 import sys
 from datetime import timedelta
 
-import torch
-import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import (
-    DataLoaderConfiguration,
-    GradientAccumulationPlugin,
-    InitProcessGroupKwargs,
-    broadcast,
-    set_seed,
-)
-from torch.utils.data import DataLoader
-
-from finetune_data.examples import IGNORE, DataProblem, add_data_args, cut_note, load_examples
-from finetune_data.packing import attention_implementation, block_causal_mask, blocks_note
-from lora.adapters import add_lora_args, flags_without_rank, merge_adapters
-from pretrained.loading import load_config_and_tokenizer, load_model, zero3_lora_note
-from runkit import Run, add_run_args
-from runkit.engines import run_label
+from finetune_data.examples import add_data_args
+from lora.adapters import add_lora_args
+from runkit import add_run_args
 from runkit.flags import DefaultOnce
 
 # Flags a resumed run may change: they act after training or only on what is reported.
@@ -110,6 +95,29 @@ def parse_args(argv=None):
                         "tokenises) before the run fails")
     add_run_args(p, "finetune_lm", log_every=10)
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and a wrong flag answer here, before torch and the rest are imported (seconds)
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    broadcast,
+    set_seed,
+)
+from torch.utils.data import DataLoader
+
+from finetune_data.examples import IGNORE, DataProblem, cut_note, load_examples
+from finetune_data.packing import attention_implementation, block_causal_mask, blocks_note
+from lora.adapters import flags_without_rank, merge_adapters
+from pretrained.loading import load_config_and_tokenizer, load_model, zero3_lora_note
+from runkit import Run
+from runkit.engines import run_label
 
 
 def default_output_dir(args, accelerator):

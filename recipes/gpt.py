@@ -41,14 +41,7 @@ import sys
 import sysconfig
 from datetime import timedelta
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast, set_seed
-from torch.utils.data import DataLoader
-
-from runkit import Run, add_run_args
+from runkit import add_run_args
 
 # name: (layers, heads, d_model, context length)
 PRESETS = {"tiny": (2, 2, 64, 64), "124M": (12, 12, 768, 1024), "350M": (24, 16, 1024, 1024),
@@ -95,6 +88,19 @@ def parse_args(argv=None):
                         "tokenises) before the run fails")
     add_run_args(p, "gpt", log_every=10)
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and a wrong flag answer here, before torch and the rest are imported (seconds)
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast, set_seed
+from torch.utils.data import DataLoader
+
+from runkit import Run
 
 
 class Linear(nn.Linear):

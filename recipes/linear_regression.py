@@ -36,13 +36,7 @@ import math
 import os
 import sys
 
-import torch
-import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
-from torch.utils.data import DataLoader, TensorDataset
-
-from runkit import Run, add_run_args
+from runkit import add_run_args
 
 
 def parse_args(argv=None):
@@ -65,6 +59,18 @@ def parse_args(argv=None):
                    help="add the trajectories of batch size 1, this batch and the full batch to the plot")
     add_run_args(p, "linear_regression", log_every=20)  # every step's (m, n) goes to metrics.jsonl
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and a wrong flag answer here, before torch and the rest are imported (seconds)
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
+from torch.utils.data import DataLoader, TensorDataset
+
+from runkit import Run
 
 
 def make_points(args):

@@ -28,19 +28,7 @@ import os
 import sys
 from datetime import timedelta
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
-from torch.utils.data import DataLoader, TensorDataset
-from torchvision.datasets import MNIST
-
-from runkit import Run, add_run_args
-from runkit.exits import one_line
-from synthetic_data.mnist import write_synthetic_mnist
-
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+from runkit import add_run_args
 
 
 def parse_args(argv=None):
@@ -69,6 +57,24 @@ def parse_args(argv=None):
                    help="seconds a collective waits for a missing rank before the run fails")
     add_run_args(p, "mnist", log_every=50)
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and a wrong flag answer here, before torch and the rest are imported (seconds)
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+from torch.utils.data import DataLoader, TensorDataset
+from torchvision.datasets import MNIST
+
+from runkit import Run
+from runkit.exits import one_line
+from synthetic_data.mnist import write_synthetic_mnist
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
 class ConvNet(nn.Module):

@@ -25,12 +25,7 @@ import os
 import sys
 import time
 
-import torch
-from accelerate import Accelerator
-
-from runkit import engines, exits, flags, refusals, reporting
-
-CHUNK = 10_000_000  # intervals evaluated at once: 80 MB of float64, whatever N is
+from runkit import flags
 
 
 def parse_args(argv=None):
@@ -48,6 +43,17 @@ def parse_args(argv=None):
     if min(args.intervals) < 1:
         p.error("--intervals must be at least 1")
     return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and a wrong flag answer here, before torch and the rest are imported (seconds)
+
+import torch
+from accelerate import Accelerator
+
+from runkit import engines, exits, refusals, reporting
+
+CHUNK = 10_000_000  # intervals evaluated at once: 80 MB of float64, whatever N is
 
 
 def partial_sum(first, last, n, device):

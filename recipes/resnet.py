@@ -40,19 +40,7 @@ import functools
 import os
 import sys
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-import torchvision
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
-from torch.utils.data import DataLoader
-from torchvision import transforms
-
-from runkit import Run, add_run_args
-from runkit.stopping import ignore_stop_signals
-
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics, fine for CIFAR too
+from runkit import add_run_args
 
 
 def parse_args(argv=None):
@@ -74,6 +62,24 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="weights, shuffling and augmentation")
     add_run_args(p, "resnet", log_every=20)
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and a wrong flag answer here, before torch and the rest are imported (seconds)
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from torch.utils.data import DataLoader
+from torchvision import transforms
+
+from runkit import Run
+from runkit.stopping import ignore_stop_signals
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics, fine for CIFAR too
 
 
 def load_data(args, accelerator, run):

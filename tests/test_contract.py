@@ -273,7 +273,7 @@ def wrong_flag(recipe):
 @pytest.fixture(scope="module")
 def help_and_wrong_flag():
     """{recipe name: (its --help, its run with an abbreviated flag)}, each a CompletedProcess. The interpreters
-    start at once: each spends seconds importing torch, and one after the other they took a third of this file."""
+    start at once (each used to spend seconds importing torch; test_help_imports_no_torch keeps them quick)."""
     commands = {}
     for recipe in TRAINING_RECIPES:
         commands[recipe.name, "help"] = [sys.executable, str(recipe), "--help"]
@@ -304,6 +304,41 @@ def test_help_shows_defaults_and_a_wrong_flag_is_one_line(recipe, help_and_wrong
     assert wrong.returncode == 2 and wrong.stdout == ""
     assert wrong.stderr == (f"{recipe.name}: error: unrecognized arguments: {flag} 1 (python3 recipes/{recipe.name} "
                             f"--help lists the flags)\n"), wrong.stderr
+
+
+# Run in one interpreter: each recipe as `python RECIPE ARGS` runs it (runpy, as __main__), then the libraries it
+# had imported by the time argparse answered. Written to a file: --help prints on stdout.
+IMPORTS_PROBE = """
+import json, os, runpy, sys
+HEAVY = ("torch", "accelerate", "torchvision", "transformers", "datasets", "peft", "deepspeed")
+out, found = sys.argv[1], {}
+for path, args in json.loads(sys.argv[2]):
+    sys.argv, sys.path[0] = [path, *args], os.path.dirname(path)
+    try:
+        runpy.run_path(path, run_name="__main__")
+        code = None
+    except SystemExit as exc:
+        code = exc.code
+    found[" ".join(sys.argv)] = [code, [m for m in HEAVY if m in sys.modules]]
+with open(out, "w") as f:
+    json.dump(found, f)
+"""
+
+
+def test_help_and_a_wrong_flag_answer_before_torch_is_imported(tmp_path):
+    """Issue 41, items 3 and 9: `--help` took 14-24 s and a typo 40 s under load, spent importing torch before
+    argparse answered. Every recipe (the quickstart's too) parses its flags before it imports torch, accelerate,
+    torchvision or transformers: --help exits 0 and a wrong flag 2 with none of them imported."""
+    runs = [(str(recipe), args) for recipe in RECIPES for args in (["--help"], ["--no-such-flag"])]
+    out = tmp_path / "imports.json"
+    result = subprocess.run([sys.executable, "-c", IMPORTS_PROBE, str(out), json.dumps(runs)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert len(found) == 2 * len(RECIPES) >= 18, found
+    for command, (code, imported) in found.items():
+        assert code == (0 if command.endswith("--help") else 2), (command, code)
+        assert imported == [], f"{command} imported {imported} before argparse answered"
 
 
 def test_every_flag_has_help():

@@ -22,6 +22,7 @@ from launching import (
     TRAIN_SIZE,
     cpu_route,
     deepspeed_precision,
+    free_port,
     run_command,
 )
 
@@ -69,7 +70,7 @@ def test_the_diff_is_only_accelerate_lines():
 
 
 def test_the_pair_is_self_contained_plain_pytorch():
-    plain = {"argparse", "torch", "torchvision"}
+    plain = {"argparse", "sys", "torch", "torchvision"}
     allowed = {TORCH_ONLY: plain, WITH_ACCELERATE: plain | {"accelerate"}}
     for path, modules in allowed.items():
         source = path.read_text()
@@ -87,6 +88,20 @@ def test_the_pair_is_self_contained_plain_pytorch():
         for folder in re.findall(r"PYTHONPATH=(\S+)", doc):
             assert (REPO / folder).is_dir(), f"{path.name}'s docstring puts a missing {folder}/ on PYTHONPATH"
     assert "accelerate" not in TORCH_ONLY.read_text().split('"""', 2)[2], "torch_only.py's code mentions accelerate"
+
+
+def test_offline_without_mnist_is_one_line(tmp_path):
+    """Issue 41, item 10: offline, with no MNIST in --data-dir, the quickstart ended in torchvision's traceback.
+    Now one line that says what to do, exit 2, nothing written but the empty folder torchvision makes. Offline for
+    certain: every download goes through a proxy that refuses connections."""
+    closed = f"http://127.0.0.1:{free_port()}"
+    returncode, output = run_command(["python", str(TORCH_ONLY), "--data-dir", str(tmp_path / "data"), "--epochs", "0"],
+                                     env={"http_proxy": closed, "https_proxy": closed, "no_proxy": ""}, timeout=300)
+    lines = output.strip().splitlines()
+    assert returncode == 2 and len(lines) == 1, output[-3000:]
+    assert lines[0].startswith(f"error: MNIST is not in {tmp_path / 'data'}/MNIST/raw and could not be downloaded"), \
+        lines
+    assert "python recipes/synthetic_data/mnist.py data/synthetic, then --data-dir data/synthetic" in lines[0]
 
 
 def epoch_lines(output):

@@ -29,8 +29,6 @@ It makes no distributed call.
 
 import bisect
 
-import torch
-
 IGNORE = -100  # label of a position that is not in the loss (cross_entropy's ignore_index)
 GIVEN_MASK = "sdpa_given_mask"
 PACK_GROUP = 10_000  # examples packed together (one `datasets` map batch): the blocks are as full as for all
@@ -63,8 +61,7 @@ def block_causal_mask(position_ids):
     starts where its position is 0). Computed on the device from the positions: nothing waits for it."""
     example = (position_ids == 0).cumsum(-1)
     same = example[:, :, None] == example[:, None, :]
-    length = position_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    causal = position_ids[:, None, :] <= position_ids[:, :, None]  # within an example, positions rise by 1 a token
     return (same & causal)[:, None]
 
 

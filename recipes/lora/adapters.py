@@ -8,8 +8,6 @@ in (merge_adapters), computed from the exported state dict, which holds every ra
 no distributed call.
 """
 
-import torch
-
 
 class LoraProblem(ValueError):
     """--lora-targets the model cannot take: one message that names its linear layers."""
@@ -52,6 +50,7 @@ def with_lora(model, args, adapter_dtype=None):
     Where no autocast runs (DeepSpeed in bf16 or fp16) adapter_dtype is that dtype: the adapters are cast to it,
     and DeepSpeed keeps their fp32 master copy (ZeRO-1/2 cast them anyway; ZeRO-3 with zero.Init does not).
     Raises LoraProblem."""
+    import torch  # here, as PEFT: finetune_lm's --help reads this module's flags without importing torch
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
     targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")

@@ -10,12 +10,29 @@ r"""Quickstart: MNIST in plain PyTorch (torch_only.py) and the same file with Ac
         --mixed_precision no recipes/quickstart/with_accelerate.py  # DeepSpeed ZeRO-2, 2 processes on a CPU
 Any config of accelerate_configs/ fits (ZeRO-1/2/3, ZeRO-3 offload, FSDP2). --batch-size is per process; the
 train loss is the printing process's, the test numbers cover the whole test set. MNIST is downloaded into
---data-dir: fetch it once (`python recipes/quickstart/torch_only.py --epochs 0`) before launching processes.
+--data-dir: fetch it once (`python recipes/quickstart/torch_only.py --epochs 0`) before launching processes;
+offline, `python recipes/synthetic_data/mnist.py data/synthetic` writes stand-in digits (--data-dir data/synthetic).
 Model after pytorch/examples mnist/main.py, narrower. Under DeepSpeed accelerate clips gradients at norm 1.0
 ('auto'), and ZeRO-3 offload replaces the optimizer by DeepSpeedCPUAdam (lr kept): so AdamW, not Adadelta.
 """
 
 import argparse
+import sys
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data-dir", default="data", help="MNIST root: the folder that holds (or receives) MNIST/raw")
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training set (0: only fetch the data)")
+    p.add_argument("--batch-size", type=int, default=64, help="training batch, per process")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of AdamW")
+    p.add_argument("--seed", type=int, default=1, help="seed of the initial weights, the shuffling and dropout")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and a wrong flag answer here, before torch is imported (seconds)
 
 import torch
 import torch.nn as nn
@@ -40,14 +57,7 @@ class Net(nn.Module):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data-dir", default="data", help="MNIST root: the folder that holds (or receives) MNIST/raw")
-    p.add_argument("--epochs", type=int, default=3, help="passes over the training set (0: only fetch the data)")
-    p.add_argument("--batch-size", type=int, default=64, help="training batch, per process")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of AdamW")
-    p.add_argument("--seed", type=int, default=1, help="seed of the initial weights, the shuffling and dropout")
-    args = p.parse_args()
+    args = parse_args()
     torch.manual_seed(args.seed)
     accelerator = Accelerator()  # reads the launch config: processes, DDP/DeepSpeed/FSDP, precision
     device = accelerator.device
@@ -55,8 +65,15 @@ def main():
     print(accelerator.state)
 
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
-    train_set = datasets.MNIST(args.data_dir, train=True, download=True, transform=transform)
-    test_set = datasets.MNIST(args.data_dir, train=False, download=True, transform=transform)
+    try:
+        train_set = datasets.MNIST(args.data_dir, train=True, download=True, transform=transform)
+        test_set = datasets.MNIST(args.data_dir, train=False, download=True, transform=transform)
+    except (OSError, RuntimeError) as exc:  # offline, and not in --data-dir yet: one line, not a traceback
+        print(f"error: MNIST is not in {args.data_dir}/MNIST/raw and could not be downloaded "
+              f"({str(exc).splitlines()[-1]}). Copy it there, or write stand-in digits in its format for a try "
+              f"offline: python recipes/synthetic_data/mnist.py data/synthetic, then --data-dir data/synthetic",
+              file=sys.stderr)
+        sys.exit(2)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
     test_loader = DataLoader(test_set, batch_size=1000)
     model = Net().to(device)

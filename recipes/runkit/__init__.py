@@ -22,5 +22,13 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     exits.py         one message and one exit code from every rank; the process group torn down
 """
 
-from .flags import add_run_args  # noqa: F401
-from .run import Run  # noqa: F401
+from .flags import add_run_args  # noqa: F401  (the standard library only: a recipe's --help answers without torch)
+
+
+def __getattr__(name):
+    """`from runkit import Run` imports run.py, and with it torch and accelerate, when a recipe asks for Run: after
+    its flags are parsed, not when it imports add_run_args."""
+    if name == "Run":
+        from .run import Run
+        return Run
+    raise AttributeError(f"module 'runkit' has no attribute {name!r}")

@@ -7,9 +7,13 @@ slant, stroke width, noise) and writes the four idx files that
 `torchvision.datasets.MNIST` reads. The recipe then loads them through
 torchvision exactly as it would load the real thing.
 
-It is a data generator, not a recipe: it makes no distributed calls.
+It is a data generator, not a recipe: it makes no distributed calls. Run alone, it writes the digits for the
+quickstart (recipes/quickstart/) on a machine that cannot download MNIST:
+
+    python recipes/synthetic_data/mnist.py data/synthetic   # then --data-dir data/synthetic
 """
 
+import argparse
 import json
 import os
 import struct
@@ -113,3 +117,14 @@ def write_synthetic_mnist(root, train_size, test_size, seed=0):
     with open(stamp, "w") as f:
         json.dump(params, f)
     return root
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="Write synthetic digits in MNIST's idx format into DIR/MNIST/raw, where "
+                                "torchvision.datasets.MNIST(DIR) reads them.", allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("dir", metavar="DIR", help="the MNIST root to write (then --data-dir DIR)")
+    p.add_argument("--train-size", type=int, default=20000, help="training images")
+    p.add_argument("--test-size", type=int, default=5000, help="test images")
+    args = p.parse_args()
+    print(f"synthetic digits in MNIST's format: {write_synthetic_mnist(args.dir, args.train_size, args.test_size)}")
