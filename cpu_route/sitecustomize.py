@@ -15,8 +15,9 @@ help (ACCELERATE_USE_CPU=1 is accelerate's own switch); this route is for the re
 2. torch.nn.SyncBatchNorm (--sync-bn). Its kernels exist for CUDA only, its forward refuses CPU
    tensors and DistributedDataParallel refuses a CPU module holding one. This gives it a CPU path
    that computes the same global batch statistics with an autograd-aware all-reduce.
-3. DeepSpeed compiles its CPU ops (torch's JIT extensions) on first use, silently, for about a minute
-   or two. This says so when a compilation really starts (ninja has work to do), and how long it took.
+3. DeepSpeed compiles its CPU ops (torch's JIT extensions) on first use, silently: 40 s to 2 minutes on an idle
+   2-core machine, several minutes on a busy one. This says so when a compilation really starts (ninja has work to
+   do), with the time to expect, and how long it took.
    Each Python environment gets its own extensions directory (TORCH_EXTENSIONS_DIR, unless you set
    it): torch's default, ~/.cache/torch_extensions/py311_cpu, is shared by every environment of one
    Python version, and an environment whose torch or DeepSpeed differs rebuilds the ops of the other
@@ -48,6 +49,7 @@ def _force_gpu_like_state():
             return cpu_backend(self, cpu, sagemaker_dp, backend)
         return "gloo", DistributedType.MULTI_GPU
 
+    prepare_backend.cpu_route = True  # what runkit's refusals look for: this worker is on the route
     PartialState._prepare_backend = prepare_backend
 
 
@@ -84,7 +86,8 @@ def _sync_batchnorm_on_cpu():
     torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle = lambda self, module: None
 
 
-# DeepSpeed compiles these on first use (torch's JIT extensions); seconds measured on a 2-core VM, idle.
+# DeepSpeed compiles these on first use (torch's JIT extensions); seconds measured on a 2-core VM, idle (44 s for the
+# first on 2026-11-26). On a busy one the same build took 266 s and 376 s: several minutes.
 DEEPSPEED_CPU_OPS = {"deepspeed_shm_comm": 40, "cpu_adam": 110}
 
 
@@ -128,9 +131,9 @@ def _announce_builds(cpp_extension):
         name = os.path.basename(os.path.normpath(build_directory))
         if pending:
             expected = DEEPSPEED_CPU_OPS.get(name.split("_v")[0], 60)
-            print(f"cpu_route: compiling DeepSpeed's CPU op {name} into {build_directory}: about {expected} s on an "
-                  f"idle 2-core machine, silent meanwhile; later runs of this environment reuse it", file=sys.stderr,
-                  flush=True)
+            print(f"cpu_route: compiling DeepSpeed's CPU op {name} into {build_directory}, once for this "
+                  f"environment: about {expected} s on an idle 2-core machine, several minutes on a busy one; silent "
+                  f"meanwhile", file=sys.stderr, flush=True)
         started = time.monotonic()
         run_ninja_build(build_directory, verbose, error_prefix)
         if pending:

@@ -68,6 +68,7 @@ from runkit import engines, exits, refusals, reporting
 
 def main(argv=None):
     args = parse_args(argv)
+    refusals.check_gpus_before_start()  # before Accelerator(): what the launch alone decides
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
     refusals.check_launch(accelerator)
     refusals.check_batch(accelerator, args.batch_size)

@@ -68,6 +68,7 @@ def partial_sum(first, last, n, device):
 
 def main(argv=None):
     args = parse_args(argv)
+    refusals.check_gpus_before_start()  # before Accelerator(): what the launch alone decides
     accelerator = Accelerator()
     refusals.check_launch(accelerator)
     log = exits.main_print(accelerator)

@@ -1,22 +1,27 @@
 """recipes/runkit/refusals.py: launches that would train wrongly, refused at start-up with one clear line and a
-non-zero exit, before the data and the model are built. Each is a real launch of recipes/mnist.py on CPU.
+non-zero exit, before the data and the model are built. Each slow test is a real launch of recipes/mnist.py on CPU;
+the quick ones call the refusal in this process, with the launch's environment set as accelerate launch sets it.
 
 The refusals a recipe adds for itself are with its own tests (an SGD recipe under optimizer offload: test_resnet.py,
 test_linear_regression.py; ZeRO-3 loading a whole model that does not fit: test_finetune_lm.py).
 """
 
 import json
+import sys
 
 import pytest
+import torch
 
-from launching import CONFIG_DIR
+from launching import CONFIG_DIR, REPO, LaunchResult, launch_command, run_commands
+from run_checks import assert_refused
 
-pytestmark = pytest.mark.slow
+sys.path.insert(0, str(REPO / "recipes"))
 
 FP32 = ["--mixed_precision", "no"]
 SHORT = ("--max-steps", "8", "--log-every", "1")
 
 
+@pytest.mark.slow
 def test_global_batch_must_divide(launch):
     run = launch("2gpu.yaml", "--batch-size", "127", launch_args=FP32, check=False)
     assert run.returncode == 1  # torchrun reports any failed worker as 1; the recipe itself exits 2
@@ -28,6 +33,7 @@ def test_global_batch_must_divide(launch):
     assert "traceback : error: --batch-size 127 is the global batch" in summary, summary
 
 
+@pytest.mark.slow
 def test_gpu_config_on_cpu_refuses_independent_copies(launch):
     """A MULTI_GPU config on a machine without GPUs would train 2 unrelated copies; the recipe stops."""
     run = launch("2gpu.yaml", *SHORT, launch_args=FP32, env={"ACCELERATE_USE_CPU": "0"}, check=False)
@@ -35,6 +41,7 @@ def test_gpu_config_on_cpu_refuses_independent_copies(launch):
     assert "the launcher started 2 processes" in run.output and "ACCELERATE_USE_CPU=1" in run.output
 
 
+@pytest.mark.slow
 def test_more_processes_than_gpus_is_refused_before_anything_is_built(launch):
     """2gpu.yaml on a node with one GPU (simulated: torch.cuda reports 1) fails at once with the fixes, instead
     of CUDA's 'invalid device ordinal' after the model and data are built."""
@@ -48,14 +55,77 @@ def test_more_processes_than_gpus_is_refused_before_anything_is_built(launch):
     assert "DATA:" not in run.output  # refused before the data (and the model)
 
 
-def test_deepspeed_config_without_its_cpu_route_is_refused(launch):
-    """ACCELERATE_USE_CPU=1 silently turns DeepSpeed off: the recipe says so instead of training DDP."""
-    run = launch("deepspeed_zero2.yaml", *SHORT, launch_args=FP32, env={"ACCELERATE_USE_CPU": "1", "PYTHONPATH": ""},
-                 check=False)
-    assert run.returncode == 1
-    assert "error: the config asks for DEEPSPEED but accelerate is running MULTI_CPU" in run.output, run.output[-3000:]
+@pytest.fixture
+def engine_without_gpu(monkeypatch):
+    """A worker of a launch of a DeepSpeed config on a machine without a GPU, as accelerate launch starts it; returns
+    (the refusal, its exit code and its stderr) for the environment the test then sets."""
+    from runkit import refusals
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("ACCELERATE_USE_CPU", "ACCELERATE_USE_FSDP", "TORCHELASTIC_ERROR_FILE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+
+    def refused(capsys):
+        with pytest.raises(SystemExit) as stopped:
+            refusals.check_gpus_before_start()
+        return stopped.value.code, capsys.readouterr().err
+    return refused
 
 
+def test_an_engine_without_a_gpu_or_the_cpu_route_is_refused_from_the_environment(engine_without_gpu, capsys,
+                                                                                     monkeypatch):
+    """Issue 41, item 3: a DeepSpeed config launched on a CPU without PYTHONPATH=cpu_route compiled a DeepSpeed op
+    for minutes (Accelerator() imports DeepSpeed) before the refusal. The refusal is decided from the launch's
+    environment, in Run() before Accelerator(): one line, exit 2. With ACCELERATE_USE_CPU=1 (which turns DeepSpeed
+    and FSDP off) too; on the CPU route, and for a DDP config, nothing is refused."""
+    from accelerate.state import PartialState
+
+    from runkit import refusals
+    code, err = engine_without_gpu(capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: the config asks for DEEPSPEED and this machine has no GPU: launch it as "
+                          "PYTHONPATH=cpu_route accelerate launch ..."), err
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    code, err = engine_without_gpu(capsys)
+    assert code == 2 and err.startswith("error: the config asks for DEEPSPEED, and ACCELERATE_USE_CPU=1 turns it "
+                                        "off (accelerate would run MULTI_CPU)"), err
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+
+    def routed(self, cpu=False, sagemaker_dp=False, backend=None):
+        return "gloo", None
+    routed.cpu_route = True  # what cpu_route/sitecustomize.py marks its backend choice with
+    monkeypatch.setattr(PartialState, "_prepare_backend", routed)
+    refusals.check_gpus_before_start()  # on the route: no refusal
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    monkeypatch.setattr(PartialState, "_prepare_backend", lambda *a, **k: None)
+    refusals.check_gpus_before_start()  # a DDP config needs no route
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_deepspeed_config_without_its_cpu_route_is_refused_before_deepspeed_builds(tmp_path):
+    """Both ways of launching a DeepSpeed config on a CPU without the route, at once: without PYTHONPATH=cpu_route,
+    and with ACCELERATE_USE_CPU=1 (which silently turns DeepSpeed off). Each is refused in one line before any
+    data, and before DeepSpeed compiles anything into the (empty) extensions directory."""
+    cases = {"no route": {}, "ACCELERATE_USE_CPU=1": {"ACCELERATE_USE_CPU": "1"}}
+    commands, outs = [], []
+    for i, env in enumerate(cases.values()):
+        out = tmp_path / f"out{i}"
+        cmd, _ = launch_command("deepspeed_zero2.yaml", tmp_path / "data", out, *SHORT, launch_args=FP32)
+        commands.append((cmd, {"PYTHONPATH": "", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), **env}))
+        outs.append(out)
+    results = [LaunchResult(*result, out) for result, out in zip(run_commands(commands), outs)]
+    no_route, use_cpu = results
+    assert_refused(no_route, "the config asks for DEEPSPEED and this machine has no GPU: launch it as "
+                             "PYTHONPATH=cpu_route")
+    assert_refused(use_cpu, "the config asks for DEEPSPEED, and ACCELERATE_USE_CPU=1 turns it off")
+    for run in results:
+        assert run.returncode == 1 and "DATA:" not in run.output, run.output[-3000:]
+        assert run.output.lstrip().startswith("error: "), run.output[:2000]  # the line first
+    assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
+
+
+@pytest.mark.slow
 def test_deepspeed_config_may_not_contradict_the_flags(launch, tmp_path):
     ds = json.loads((CONFIG_DIR / "deepspeed_zero2.json").read_text())
     ds["gradient_accumulation_steps"] = 4  # contradicts --grad-accum

@@ -1,7 +1,9 @@
 """Launches that would train wrongly, refused before they start, each with one clear message.
 
 Owns the checks that end a run at start-up:
-  * more processes on a node than it has GPUs (before Accelerator(): CUDA set-up would fail a minute later);
+  * before Accelerator(), from the launch's environment alone: more processes on a node than it has GPUs (CUDA
+    set-up would fail a minute later), and a DeepSpeed or FSDP config on a machine without a GPU that is not on the
+    CPU route (DeepSpeed would first compile a CPU op for minutes, then every process would train alone);
   * processes that would each train alone, or without the engine the config asked for;
   * a global batch that does not split evenly over processes and accumulation steps;
   * a DeepSpeed config that contradicts the flags, and optimizer offload under an SGD recipe.
@@ -16,15 +18,21 @@ from accelerate.utils import DistributedType
 from .engines import deepspeed_config, engine_facts
 from .exits import fail, report
 
+ON_A_CPU = "docs/configs.md, 'On a CPU'"
 CPU_HINT = ("To run several processes on a CPU-only machine, set ACCELERATE_USE_CPU=1 for DDP configs; "
-            "DeepSpeed and FSDP configs need PYTHONPATH=cpu_route (docs/configs.md, 'On a CPU').")
+            f"DeepSpeed and FSDP configs need PYTHONPATH=cpu_route ({ON_A_CPU}).")
 
 
 def check_gpus_before_start():
-    """Before Accelerator(): more processes on this node than it has GPUs would die in CUDA set-up with
-    'invalid device ordinal' a minute later. Every rank refuses at once, the first one saying why."""
+    """Before Accelerator(), before any library is imported for the engine: more processes on this node than it
+    has GPUs would die in CUDA set-up with 'invalid device ordinal' a minute later; a DeepSpeed or FSDP config
+    without a GPU needs the CPU route (engine_without_gpu). Every rank refuses at once, the first one saying why."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not torch.cuda.is_available():
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if not torch.cuda.is_available() and (problem := engine_without_gpu(use_cpu)):
+        report(problem, os.environ.get("LOCAL_RANK", "0") == "0")
+        sys.exit(2)
+    if use_cpu or not torch.cuda.is_available():
         return  # a CPU run, or the CPU route: no GPU to count
     gpus = torch.cuda.device_count()
     if local > gpus:
@@ -33,6 +41,32 @@ def check_gpus_before_start():
                f"{world}): pass --num_processes {gpus} to accelerate launch, or use accelerate_configs/1gpu.yaml, "
                f"or set ACCELERATE_USE_CPU=1 for a run on the CPU.", os.environ.get("LOCAL_RANK", "0") == "0")
         sys.exit(2)
+
+
+def engine_without_gpu(use_cpu):
+    """On a machine without a GPU: None, or why the DeepSpeed or FSDP engine the launch asks for (accelerate launch
+    sets ACCELERATE_USE_DEEPSPEED or ACCELERATE_USE_FSDP from the config) would not run. ACCELERATE_USE_CPU=1 turns
+    either off; without the CPU route accelerate sets up no process group, and DeepSpeed, imported by Accelerator(),
+    would first compile its shared-memory op for minutes. Decided from the environment, before that import."""
+    wanted = [engine for env, engine in (("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED"), ("ACCELERATE_USE_FSDP", "FSDP"))
+              if os.environ.get(env, "false").lower() == "true"]
+    if not wanted:
+        return None
+    if use_cpu:
+        return (f"the config asks for {wanted[0]}, and ACCELERATE_USE_CPU=1 turns it off (accelerate would run "
+                f"MULTI_CPU): on a CPU, launch DeepSpeed and FSDP configs with PYTHONPATH=cpu_route instead of "
+                f"ACCELERATE_USE_CPU=1 ({ON_A_CPU}).")
+    if not on_cpu_route():
+        return (f"the config asks for {wanted[0]} and this machine has no GPU: launch it as PYTHONPATH=cpu_route "
+                f"accelerate launch ... ({ON_A_CPU}); without the CPU route every process would train alone, after "
+                f"minutes of DeepSpeed compiling a CPU op.")
+    return None
+
+
+def on_cpu_route():
+    """Whether cpu_route/sitecustomize.py set this worker up: it marks the backend choice it replaces."""
+    from accelerate.state import PartialState
+    return getattr(PartialState._prepare_backend, "cpu_route", False)
 
 
 def check_launch(accelerator):
