@@ -50,7 +50,30 @@ def test_world_size_and_grad_accum_may_change_where_the_state_reshards(family, s
 
 def test_the_global_batch_may_not_change():
     problem = incompatibility(manifest(), now(), {**SETTINGS, "grad_accum": 2, "batch_size": 8})
-    assert problem == "these settings differ from the run that wrote it (saved, now): batch_size 16 vs 8"
+    assert problem == ("these settings differ from the run that wrote it (saved, now): batch_size 16 vs 8 "
+                       "(--batch-size is the global batch, which a resume keeps: give --batch-size 16)")
+
+
+def test_the_hints_for_a_batch_that_does_not_split_lead_to_a_run_that_starts():
+    """Issue 41, item 6: a run of --batch-size 16 resumed on 3 processes was told to try --batch-size 15, and that
+    resume was then refused for batch_size 16 vs 15. Each way out either message names works: the new run's
+    --batch-size splits, and each process count named for a resume splits the checkpoint's batch and is accepted."""
+    import re
+
+    from runkit.refusals import batch_problem
+    problem = batch_problem(3, 16)
+    assert "give --batch-size 15 for a new run; a resume keeps its checkpoint's --batch-size, so launch" in problem
+    assert batch_problem(3, 15) is None
+    counts = [int(n) for n in re.findall(r"\d+", re.search(r"launch ([\d, or]+) processes", problem).group(1))]
+    assert counts and 3 not in counts, problem
+    for n in counts:
+        assert batch_problem(n, 16) is None and incompatibility(manifest(), now(world=n, grad_accum=1), SETTINGS) is None
+    # The resume refused for the other batch says which to give, and on 3 processes where to run it.
+    refused = incompatibility(manifest(), now(world=3, grad_accum=1), {**SETTINGS, "batch_size": 15})
+    assert "give --batch-size 16; launch 1, 2, 4 or 8 processes (accelerate launch --num_processes N)" in refused
+    assert batch_problem(2, 7, 1).endswith("so launch 1 or 7 processes (accelerate launch --num_processes N)")
+    assert "launch 1 process (" in batch_problem(2, 127)  # one process, said so
+    assert "with --grad-accum 1" in batch_problem(2, 6, 4)  # no count splits 6 into 4 micro-batches
 
 
 def test_every_kind_of_checkpoint_has_a_way_onto_another_world_size():

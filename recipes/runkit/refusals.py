@@ -17,6 +17,7 @@ from accelerate.utils import DistributedType
 
 from .engines import deepspeed_config, engine_facts
 from .exits import fail, report
+from .resume_rules import processes_hint
 
 ON_A_CPU = "docs/configs.md, 'On a CPU'"
 CPU_HINT = ("To run several processes on a CPU-only machine, set ACCELERATE_USE_CPU=1 for DDP configs; "
@@ -85,16 +86,24 @@ def check_launch(accelerator):
 
 def check_batch(accelerator, batch_size, grad_accum=1, eval_batch_size=None):
     """The global batch of one optimizer step must split evenly over processes x accumulation steps."""
-    world = accelerator.num_processes
-    if batch_size % (world * grad_accum) or (eval_batch_size or 0) % world:
-        good = world * grad_accum
-        problems = []
-        if batch_size % good:
-            problems.append(f"--batch-size {batch_size} is the global batch of one optimizer step and must divide "
-                            f"by processes x --grad-accum = {good} (try {max(good, batch_size // good * good)})")
-        if (eval_batch_size or 0) % world:
-            problems.append(f"--eval-batch-size {eval_batch_size} must divide by the {world} processes")
-        fail(accelerator, "; ".join(problems), everyone=True)
+    problem = batch_problem(accelerator.num_processes, batch_size, grad_accum, eval_batch_size)
+    if problem:
+        fail(accelerator, problem, everyone=True)
+
+
+def batch_problem(world, batch_size, grad_accum=1, eval_batch_size=None):
+    """None, or why the batches do not split over `world` processes, with the two ways out: another --batch-size for
+    a new run, or (for a resume, which keeps its checkpoint's --batch-size) a number of processes that divides it."""
+    good = world * grad_accum
+    problems = []
+    if batch_size % good:
+        problems.append(f"--batch-size {batch_size} is the global batch of one optimizer step and must divide by "
+                        f"processes x --grad-accum = {good}: give --batch-size {max(good, batch_size // good * good)} "
+                        f"for a new run; a resume keeps its checkpoint's --batch-size, so "
+                        f"{processes_hint(batch_size, grad_accum, world)}")
+    if (eval_batch_size or 0) % world:
+        problems.append(f"--eval-batch-size {eval_batch_size} must divide by the {world} processes")
+    return "; ".join(problems) or None
 
 
 def refuse_optimizer_offload(accelerator, why, instead):

@@ -119,7 +119,28 @@ def incompatibility(manifest, now, must_match):
     more = f" and {len(differ) - SHOWN} more" if len(differ) > SHOWN else ""
     # A checkpoint written before manifests named their recipe: flags only one side has mean another recipe.
     other = " (flags only one of them has: a checkpoint of another recipe?)" if set(before) ^ set(must_match) else ""
-    return f"these settings differ from the run that wrote it (saved, now): {shown}{more}{other}"
+    return f"these settings differ from the run that wrote it (saved, now): {shown}{more}{other}" + _keep_batch(
+        differ.get("batch_size", (None,))[0], now)
+
+
+def _keep_batch(batch, now):
+    """The way to a resume that works when --batch-size differs: the checkpoint's, on processes that divide it."""
+    if not isinstance(batch, int) or batch < 1:
+        return ""
+    fits = batch % (now["world_size"] * now["grad_accum"]) == 0
+    where = "" if fits else f"; {processes_hint(batch, now['grad_accum'], now['world_size'])}"
+    return f" (--batch-size is the global batch, which a resume keeps: give --batch-size {batch}{where})"
+
+
+def processes_hint(batch_size, grad_accum, world):
+    """What to launch so that a global batch of batch_size splits over processes x --grad-accum: the process counts
+    near `world` that divide it with this --grad-accum, or with --grad-accum 1 (a resume may change it: RESHAPE)."""
+    fits = [n for n in range(1, max(8, 2 * world) + 1) if batch_size % (n * grad_accum) == 0][:6]
+    accum = ""
+    if not fits:
+        fits, accum = [n for n in range(1, max(8, 2 * world) + 1) if batch_size % n == 0][:6], " with --grad-accum 1"
+    counts = ", ".join(map(str, fits[:-1])) + (" or " if len(fits) > 1 else "") + str(fits[-1])
+    return f"launch {counts} process{'es' if fits != [1] else ''}{accum} (accelerate launch --num_processes N)"
 
 
 def _short(value):
