@@ -121,7 +121,6 @@ def test_deepspeed_config_without_its_cpu_route_is_refused_before_deepspeed_buil
     assert_refused(use_cpu, "the config asks for DEEPSPEED, and ACCELERATE_USE_CPU=1 turns it off")
     for run in results:
         assert run.returncode == 1 and "DATA:" not in run.output, run.output[-3000:]
-        assert run.output.lstrip().startswith("error: "), run.output[:2000]  # the line first
     assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
 
 
