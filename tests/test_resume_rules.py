@@ -67,7 +67,8 @@ def test_the_hints_for_a_batch_that_does_not_split_lead_to_a_run_that_starts():
     counts = [int(n) for n in re.findall(r"\d+", re.search(r"launch ([\d, or]+) processes", problem).group(1))]
     assert counts and 3 not in counts, problem
     for n in counts:
-        assert batch_problem(n, 16) is None and incompatibility(manifest(), now(world=n, grad_accum=1), SETTINGS) is None
+        assert batch_problem(n, 16) is None
+        assert incompatibility(manifest(), now(world=n, grad_accum=1), SETTINGS) is None
     # The resume refused for the other batch says which to give, and on 3 processes where to run it.
     refused = incompatibility(manifest(), now(world=3, grad_accum=1), {**SETTINGS, "batch_size": 15})
     assert "give --batch-size 16; launch 1, 2, 4 or 8 processes (accelerate launch --num_processes N)" in refused
