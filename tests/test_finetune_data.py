@@ -16,9 +16,18 @@ import pytest
 
 from launching import REPO, LaunchResult, run_command
 from run_checks import assert_refused
-from tiny_hf import PLAIN_CHAT_TEMPLATE, conversations, corpus, uneven_pairs, with_chat_template, write_all
+from tiny_hf import (
+    PLAIN_CHAT_TEMPLATE,
+    conversations,
+    corpus,
+    planted_copy,
+    uneven_pairs,
+    with_chat_template,
+    write_all,
+)
 
 sys.path.insert(0, str(REPO / "recipes"))
+import finetune_data.examples as examples_module  # noqa: E402
 from finetune_data.examples import (  # noqa: E402
     IGNORE,
     DataProblem,
@@ -143,6 +152,113 @@ def test_each_column_of_the_wrong_kind_is_one_message_that_leads_somewhere(tiny)
     (tiny / "qa.jsonl").write_text("".join(json.dumps({"question": p, "answer": r}) + "\n" for p, r in corpus(40)))
     message = refusal(tiny, "qa.jsonl")
     assert "--prompt-column and --response-column" in message and "--format chat --messages-column" in message
+
+
+def write_jsonl(path, records, replace=None):
+    """records as JSON Lines; replace: {line number (1-based): the raw text of that line instead}."""
+    lines = [json.dumps(r) for r in records]
+    for number, text in (replace or {}).items():
+        lines[number - 1] = text
+    path.write_text("".join(line + "\n" for line in lines))
+    return path.name
+
+
+def test_a_malformed_json_line_is_named_by_file_and_line(tiny):
+    """Issue 41, item 7: a malformed line in --data-files gave "could not load ... Offline, use --data-files" (the
+    data was local), with the row number only in a separate library line. Now one line: the file and the line."""
+    pairs = [{"prompt": p, "response": r} for p, r in corpus(40)]
+    name = write_jsonl(tiny / "broken.jsonl", pairs, {6: '{"prompt": "what is 2 plus 2?", "response": '})
+    message = refusal(tiny, name)
+    assert message.startswith(f"{tiny / name}, line 6: not a JSON record (Expecting value); fix or remove"), message
+    assert "Offline" not in message
+    name = write_jsonl(tiny / "changing.jsonl", pairs[:9] + [{"prompt": "x", "response": {"text": "y"}}] + pairs[9:])
+    message = refusal(tiny, name)  # `datasets` reads it; the record is refused by its line
+    assert message.startswith(f"{tiny / name}, line 10: the column 'response' holds {{'text': 'y'}}, not text"), message
+    from finetune_data.examples import json_problem  # where `datasets` cannot read such a file, this names the line
+    assert json_problem(str(tiny / name)) == (f"{tiny / name}, line 10: not a record like the others (its "
+                                              f"'response' holds an object, the records before text); fix or "
+                                              f"remove that line")
+
+
+def test_chat_roles_of_another_convention_are_named(tiny):
+    """Issue 41, item 7: ShareGPT's roles (human, gpt) gave "gives only 0 examples ... give more data"; its keys
+    (from, value) a message that did not say what to rename."""
+    renamed = [[{**m, "role": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"])} for m in chat]
+               for chat in conversations(40)]
+    message = refusal(tiny, write_jsonl(tiny / "roles.jsonl", [{"messages": c} for c in renamed]))
+    assert ("no turn has the role 'assistant', the turns a chat fine-tune learns; the roles found are 'gpt', "
+            "'human'") in message and "rename 'gpt' to 'assistant' and 'human' to 'user'" in message, message
+    keys = [[{"from": m["role"], "value": m["content"]} for m in chat] for chat in renamed]
+    message = refusal(tiny, write_jsonl(tiny / "keys.jsonl", [{"messages": c} for c in keys]), "--format", "chat")
+    assert "holds turns of {from, value} (ShareGPT's), not {role, content}: rename the keys" in message, message
+
+
+def test_a_bad_chat_record_is_named_by_its_line(tiny):
+    """Issue 46, item 8: a bad chat record was reported without its line number."""
+    records = [{"messages": c} for c in conversations(40)]
+    name = write_jsonl(tiny / "one_bad.jsonl", records[:7] + [{"messages": [{"role": "user", "content": 5}]}]
+                       + records[7:])
+    message = refusal(tiny, name)
+    assert message.startswith(f"{tiny / name}, line 8: the column 'messages' holds"), message
+
+
+@pytest.mark.parametrize("problem", ["raising-template", "slow-template"])
+def test_a_chat_template_that_fails_or_runs_on_is_one_message(tiny, problem, monkeypatch):
+    """Issue 46, items 6 and 8: a chat template that raises gave a traceback; one with nested range(99999) loops
+    ran on for as long as anyone waited. Each is one message naming the record; the time limit is lowered here so
+    that the test takes a second, not the run's 5."""
+    model = planted_copy(tiny / "model", tiny / problem, problem)
+    monkeypatch.setattr(examples_module, "TEMPLATE_SECONDS", 0.5)
+    message = refusal(tiny, "chat.jsonl", model=model.name)
+    assert message.startswith(f"{tiny / 'chat.jsonl'}, line 1: the chat template of {model} "), message
+    if problem == "raising-template":
+        assert "fails on this conversation (TemplateError: this template refuses every conversation)" in message
+    else:
+        assert "ran for more than 0.5 s on this conversation" in message
+
+
+def spy_on_tokenising(tok):
+    """tok, changed so that every text it tokenises is recorded (as apply_chat_template's too): its lengths."""
+    seen = []
+    real = type(tok).__call__
+
+    def call(self, text, *args, **kwargs):
+        seen.extend(len(t) for t in ([text] if isinstance(text, str) else text))
+        return real(self, text, *args, **kwargs)
+    tok.__class__ = type("Spied", (type(tok),), {"__call__": call})
+    return seen
+
+
+@pytest.mark.parametrize("data", ["chat", "pairs"])
+def test_a_record_far_longer_than_the_block_is_not_tokenised_whole(tiny, data):
+    """Issue 46, item 6: one 40 MB assistant turn stalled the start for minutes, tokenised whole for a block of 64
+    tokens. Now no text longer than enough_characters() reaches the tokenizer, and what is kept is exactly what
+    the whole record gives (checked on a record of 20,000 characters, which is quick to tokenise whole)."""
+    from finetune_data.examples import enough_characters
+    long_turn = "It is 7 because 3 plus 4 is 7. " * 650  # 20,150 characters
+    if data == "chat":
+        records = [{"messages": c} for c in conversations(40)]
+        records[3] = {"messages": [{"role": "user", "content": "Question: why?"},
+                                   {"role": "assistant", "content": long_turn * 2000}]}  # 40 MB
+    else:
+        records = [{"prompt": p, "response": r} for p, r in corpus(40)]
+        records[3] = {"prompt": "Question: why?\nAnswer:", "response": long_turn * 2000}
+    name = write_jsonl(tiny / f"huge_{data}.jsonl", records)
+    args = parse_args(["--model", str(tiny / "model"), "--data-files", str(tiny / name), "--no-packing"])
+    tok = tokenizer(tiny, "model")
+    seen = spy_on_tokenising(tok)
+    loaded = load_examples(args, tok, 64, 1000)
+    assert loaded.cuts["tokenised_examples"] == 40 and loaded.cuts["cut_examples"] >= 1
+    assert seen and max(seen) < 2 * enough_characters(tok, 64) < 10_000, max(seen)
+    plain = tokenizer(tiny, "model")
+    if data == "chat":
+        whole = [{"role": "user", "content": "Question: why?"}, {"role": "assistant", "content": long_turn}]
+        cut = [{**m, "content": m["content"][:enough_characters(plain, 64)]} for m in whole]
+        assert encode_chat(*assistant_positions(plain, cut), 64) == encode_chat(*assistant_positions(plain, whole), 64)
+    else:
+        enough = enough_characters(plain, 64)
+        whole = plain(long_turn, add_special_tokens=False)["input_ids"]
+        assert plain(long_turn[:enough], add_special_tokens=False)["input_ids"][:64] == whole[:64]
 
 
 def independent_pair_cuts(tok, pairs, block):

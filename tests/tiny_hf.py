@@ -10,7 +10,9 @@ saved as tokenizer.json with a Llama-like <s> ... </s> template, and a chat temp
 assistant turns are marked with {% generation %} (chat_template.jinja). pairs.jsonl holds
 prompt/response records (arithmetic questions and their answers); text.txt plain text; chat.jsonl
 conversations of the same questions (a `messages` column); uneven.jsonl pairs whose responses run
-from 1 to 30 words. with_chat_template() copies the model with another chat template, or none.
+from 1 to 30 words. with_chat_template() copies the model with another chat template, or none;
+planted_copy() copies it with one problem planted (a weight file that runs code, a header or a
+config.json that lies, custom code, a template that raises or runs on), for the tests.
 """
 
 import argparse
@@ -87,6 +89,54 @@ def with_chat_template(model_dir, copy_dir, template):
     config_path.write_text(json.dumps(config))
     if template is not None:
         (copy_dir / "chat_template.jinja").write_text(template)
+    return copy_dir
+
+
+# What tests plant into a copy of the model directory (planted_copy): each a model-directory problem that must end
+# in one line before anything loads, and nothing of the directory's runs (issue 46, item 4).
+SLOW_TEMPLATE = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{{ bos_token }}"
+RAISING_TEMPLATE = "{{ raise_exception('this template refuses every conversation') }}"
+
+
+class _RunsCode:
+    """A pickled object that would call print when unpickled: what weights-only loading refuses."""
+
+    def __reduce__(self):
+        return print, ("PLANTED: code from a weight file ran",)
+
+
+def planted_copy(model_dir, copy_dir, problem, marker=None):
+    """A copy of the model directory with one problem planted: "pickle" (pytorch_model.bin with a pickle that runs
+    code, no safetensors), "header" (model.safetensors whose header claims 2**62 bytes), "vocab" (config.json with
+    vocab_size 10**9), "remote-code" (tokenizer_config.json's auto_map names its evil.py, which writes `marker`),
+    "slow-template" or "raising-template" (chat_template.jinja). Returns the copy."""
+    import struct
+
+    copy_dir = Path(copy_dir)
+    if problem in ("slow-template", "raising-template"):
+        return with_chat_template(model_dir, copy_dir, SLOW_TEMPLATE if problem == "slow-template"
+                                  else RAISING_TEMPLATE)
+    shutil.copytree(model_dir, copy_dir)
+    weights = copy_dir / "model.safetensors"
+    if problem == "pickle":
+        import torch
+        from safetensors.torch import load_file
+        torch.save({**load_file(weights), "planted": _RunsCode()}, copy_dir / "pytorch_model.bin")
+        weights.unlink()
+    elif problem == "header":
+        weights.write_bytes(struct.pack("<Q", 2 ** 62) + weights.read_bytes()[8:])
+    elif problem == "vocab":
+        config = json.loads((copy_dir / "config.json").read_text())
+        (copy_dir / "config.json").write_text(json.dumps({**config, "vocab_size": 10 ** 9}))
+    elif problem == "remote-code":
+        tokenizer_config = json.loads((copy_dir / "tokenizer_config.json").read_text())
+        tokenizer_config.update(auto_map={"AutoTokenizer": ["evil.EvilTokenizer", None]},
+                                tokenizer_class="EvilTokenizer")
+        (copy_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+        (copy_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                          "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n")
+    else:
+        raise ValueError(problem)
     return copy_dir
 
 

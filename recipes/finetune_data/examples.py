@@ -22,10 +22,16 @@ It makes no distributed call itself.
 """
 
 import argparse
+import contextlib
 import glob
+import json
 import os
 import re
+import signal
+import threading
 from typing import NamedTuple
+
+from runkit.exits import one_line
 
 from .packing import BLOCK_COLUMNS, IGNORE, block_facts, into_blocks
 
@@ -41,10 +47,25 @@ NO_CHAT_TEMPLATE = ("--format chat renders conversations with the tokenizer's ch
                     "has none: give a model whose tokenizer has one (an instruct or chat model), or set one in its "
                     "directory (chat_template.jinja, or chat_template in tokenizer_config.json)")
 MIN_EXAMPLES = 20  # fewer leave no held-out example to evaluate on
+TEMPLATE_SECONDS = 5  # one conversation's rendering through the chat template (milliseconds, for a real template)
+KINDS = {"str": "text", "list": "a list", "dict": "an object", "int": "a number", "float": "a number",
+         "bool": "true or false"}  # what a JSON value is, as a message says it
 
 
 class DataProblem(ValueError):
     """Any problem with the data: reported as one message, never as a tokenizer's or a loader's traceback."""
+
+
+class RecordProblem(DataProblem):
+    """A problem with one record: load_examples names its file and line."""
+
+    def __init__(self, index, message):
+        super().__init__(message)
+        self.index = index
+
+
+class TemplateTooSlow(Exception):
+    """The chat template ran past TEMPLATE_SECONDS on one conversation."""
 
 
 class Examples(NamedTuple):
@@ -86,24 +107,27 @@ def load_examples(args, tokenizer, block_size, eval_examples):
     """The data the flags name (args: --data-files or --dataset and --dataset-config, --format, the column flags,
     --packing, --seed, --model for messages) as blocks of block_size tokens, with eval_examples held-out examples
     evaluated. Raises DataProblem."""
-    source, records, load = data_reader(args)
+    source, files, load = data_reader(args)
     try:
         raw = load()
-    except Exception as exc:  # no network for the hub, a malformed file, a proxy...
-        raise DataProblem(f"could not load {source!r} ({type(exc).__name__}: {exc}). Offline, use --data-files") \
-            from None
-    fmt = choose_format(args, records, raw.column_names)
+    except Exception as exc:  # noqa: BLE001 - no network for the hub, a malformed file, a proxy...: one message
+        raise DataProblem(unreadable(args, files, exc)) from None
+    fmt = choose_format(args, files is None or all(f.endswith((".json", ".jsonl")) for f in files), raw.column_names)
     check_columns(args, fmt, source, raw.column_names, tokenizer)
     try:
-        data = raw.map(tokenise(fmt, args, tokenizer, block_size), batched=True, remove_columns=raw.column_names,
-                       desc="tokenising")
+        data = raw.map(tokenise(fmt, args, tokenizer, block_size), batched=True, with_indices=True,
+                       remove_columns=raw.column_names, desc="tokenising")
+    except RecordProblem as exc:
+        raise DataProblem(f"{record_location(files, exc.index)}: {exc}") from None
     except DataProblem as exc:
         raise DataProblem(f"{source!r} cannot be read as --format {fmt}: {exc}") from None
     cuts = {"tokenised_examples": len(data), "cut_examples": sum(data["cut"]),
             "dropped_examples": sum(n == 0 for n in data["in_loss"])}
     data = data.filter(lambda e: e["in_loss"] > 0, desc="dropping examples with nothing to learn")
     if len(data) < MIN_EXAMPLES:
-        raise DataProblem(f"{source!r} gives only {len(data)} examples of at most {block_size} tokens; give more data")
+        roles = missing_assistant(source, raw[args.messages_column]) if fmt == "chat" else None
+        raise DataProblem(roles or f"{source!r} gives only {len(data)} examples of at most {block_size} tokens; give "
+                                   f"more data")
     split = data.train_test_split(test_size=0.05, seed=args.seed)  # cached too: the same on every rank
     train, validation = split["train"], split["test"].select(range(min(len(split["test"]), eval_examples)))
     sample = {k: v for k, v in split["test"].with_format("torch")[0].items() if k in ("input_ids", "labels")}
@@ -125,17 +149,93 @@ def pad_id(tokenizer):
 
 
 def data_reader(args):
-    """(source, whether it holds records with columns, a function that loads it as one `datasets` split)."""
+    """(source, the files in the order they are read (None for a hub dataset), a function that loads it as one
+    `datasets` split)."""
     from datasets import load_dataset  # here: --help stays quick
     if args.dataset:
-        return args.dataset, True, lambda: load_dataset(args.dataset, args.dataset_config, split="train")
+        return args.dataset, None, lambda: load_dataset(args.dataset, args.dataset_config, split="train")
     files = sorted(f for pattern in (args.data_files or "").split(",") if pattern
                    for f in glob.glob(os.path.expanduser(pattern)))
     if not files:
         raise DataProblem(f"--data-files {args.data_files!r} matches no file; give .txt or .jsonl paths or globs")
     records = all(f.endswith((".json", ".jsonl")) for f in files)
-    return args.data_files, records, lambda: load_dataset("json" if records else "text", data_files=files,
-                                                          split="train")
+    return args.data_files, files, lambda: load_dataset("json" if records else "text", data_files=files,
+                                                        split="train")
+
+
+def unreadable(args, files, exc):
+    """The message for data that `datasets` could not load: the hub's error, or the first line of a JSON file that is
+    not a record, named by file and line (the library names neither)."""
+    said = one_line(f"{type(exc).__name__}: {exc}")
+    if files is None:
+        return f"could not load --dataset {args.dataset!r} ({said}). Offline, use --data-files"
+    for path in (f for f in files if f.endswith((".json", ".jsonl"))):
+        if problem := json_problem(path):
+            return problem
+    return f"could not read --data-files {args.data_files!r} ({said})"
+
+
+def json_problem(path):
+    """None, or `FILE, line N: ...` for the first line of a JSON Lines file that is not one JSON record (an object),
+    or where a file of one JSON document stops being JSON."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    if lines and record_problem(lines[0][1]) is None:  # JSON Lines: one object a line
+        kinds = {}  # each column's kind of value, as the first record that has it holds it
+        for number, line in lines:
+            if problem := record_problem(line):
+                return f"{path}, line {number}: not a JSON record ({problem}); fix or remove that line"
+            if problem := kind_problem(json.loads(line), kinds):
+                return f"{path}, line {number}: not a record like the others ({problem}); fix or remove that line"
+        return None
+    try:
+        json.loads("".join(line for _, line in lines))
+    except ValueError as exc:
+        return f"{path}, line {getattr(exc, 'lineno', '?')}: not JSON ({getattr(exc, 'msg', exc)}); fix that line"
+    return None
+
+
+def record_problem(line):
+    """None for a line that is one JSON object, else what is wrong with it."""
+    try:
+        value = json.loads(line)
+    except ValueError as exc:
+        return getattr(exc, "msg", str(exc))
+    return None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
+
+
+def kind_problem(record, kinds):
+    """None, or which column holds another kind of value (text, list, object, number) than in the records before."""
+    for column, value in record.items():
+        kind = KINDS.get(type(value).__name__, type(value).__name__)
+        if value is not None and kinds.setdefault(column, kind) != kind:
+            return f"its {column!r} holds {kind}, the records before {kinds[column]}"
+    return None
+
+
+def record_location(files, index):
+    """Where the record at `index` of the loaded split is: `FILE, line N` for JSON Lines files (read in order,
+    blank lines skipped, as `datasets` reads them), else `record N`."""
+    seen = 0
+    for path in files if files and all(f.endswith(".jsonl") for f in files) else ():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                seen += bool(line.strip())
+                if seen == index + 1:
+                    return f"{path}, line {number}"
+    return f"record {index + 1} of {files[0] if files and len(files) == 1 else 'the data'}"
+
+
+def missing_assistant(source, conversations):
+    """None, or the message for chats in which no turn has the role 'assistant', the turns a fine-tune learns."""
+    roles = sorted({m.get("role") for c in conversations if isinstance(c, list) for m in c if isinstance(m, dict)}
+                   - {None})
+    if "assistant" in roles or not roles:
+        return None
+    fix = ("ShareGPT's names: rename 'gpt' to 'assistant' and 'human' to 'user'" if {"gpt", "human"} & set(roles)
+           else "give the turns to learn the role 'assistant'")
+    return (f"{source!r}: no turn has the role 'assistant', the turns a chat fine-tune learns; the roles found are "
+            f"{', '.join(map(repr, roles))}: {fix}")
 
 
 def choose_format(args, records, columns):
@@ -164,15 +264,18 @@ def check_columns(args, fmt, source, columns, tokenizer):
 
 
 def tokenise(fmt, args, tokenizer, block_size):
-    """The batched map from records to examples: input_ids and labels (at most block_size long, not padded),
-    length, in_loss (positions in the loss after the first) and cut (the end of the last response lost to
-    block_size); plain text straight to blocks of block_size (with real and examples, as packing.py's)."""
+    """The batched map (with the records' indices) from records to examples: input_ids and labels (at most
+    block_size long, not padded), length, in_loss (positions in the loss after the first) and cut (the end of the
+    last response lost to block_size); plain text straight to blocks of block_size (with real and examples, as
+    packing.py's). A prompt, response or turn is cut to `enough` characters first: only the first block_size tokens
+    are kept, and a 40 MB turn took minutes to tokenise whole. Raises RecordProblem."""
     eos = tokenizer.eos_token_id
+    enough = enough_characters(tokenizer, block_size)
 
-    def checked(batch, column, conversation=False):
-        for value in batch[column]:
+    def checked(batch, indices, column, conversation=False):
+        for index, value in zip(indices, batch[column]):
             if problem := value_problem(column, value, conversation):
-                raise DataProblem(problem)
+                raise RecordProblem(index, problem)
         return batch[column]
 
     def examples(encoded, cut):
@@ -180,23 +283,71 @@ def tokenise(fmt, args, tokenizer, block_size):
                 "length": [len(x) for x, _ in encoded],
                 "in_loss": [sum(t != IGNORE for t in y[1:]) for _, y in encoded], "cut": cut}
 
-    def pairs(batch):
-        prompts = tokenizer(checked(batch, args.prompt_column))["input_ids"]
-        responses = tokenizer(checked(batch, args.response_column), add_special_tokens=False)["input_ids"]
+    def pairs(batch, indices):
+        prompts = tokenizer([p[:enough] for p in checked(batch, indices, args.prompt_column)])["input_ids"]
+        responses = tokenizer([r[:enough] for r in checked(batch, indices, args.response_column)],
+                              add_special_tokens=False)["input_ids"]
         return examples([encode_pair(p, r, eos, block_size) for p, r in zip(prompts, responses)],
                         [len(p) + len(r) + 1 > block_size for p, r in zip(prompts, responses)])
 
-    def chat(batch):
-        rendered = [assistant_positions(tokenizer, m) for m in checked(batch, args.messages_column, True)]
+    def chat(batch, indices):
+        rendered = [rendered_chat(tokenizer, [{**m, "content": m["content"][:enough]} for m in messages], index,
+                                  args.model)
+                    for index, messages in zip(indices, checked(batch, indices, args.messages_column, True))]
         return examples([encode_chat(ids, learned, block_size) for ids, learned in rendered],
                         [any(learned[block_size:]) for _, learned in rendered])
 
-    def packed(batch):  # documents joined by end-of-sequence tokens, cut into whole blocks
-        stream = [t for ids in tokenizer(checked(batch, args.text_column))["input_ids"] for t in ids + [eos]]
+    def packed(batch, indices):  # documents joined by end-of-sequence tokens, cut into whole blocks
+        stream = [t for ids in tokenizer(checked(batch, indices, args.text_column))["input_ids"] for t in ids + [eos]]
         blocks = [stream[i:i + block_size] for i in range(0, len(stream) // block_size * block_size, block_size)]
         return {"input_ids": blocks, "labels": blocks, "in_loss": [block_size - 1] * len(blocks),
                 "cut": [False] * len(blocks), "real": [block_size] * len(blocks), "examples": [1] * len(blocks)}
     return {"pairs": pairs, "chat": chat, "text": packed}[fmt]
+
+
+def enough_characters(tokenizer, block_size):
+    """Characters that always hold more than block_size tokens: no token spans more characters than the longest
+    in the vocabulary (a byte-level token's string has one character per byte), so the first block_size tokens of
+    a text are those of its first `enough` characters; the cut is past them."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return (block_size + 1) * max(longest, 1) + 1
+
+
+def rendered_chat(tokenizer, messages, index, model):
+    """assistant_positions() of one record, within TEMPLATE_SECONDS; a template that raises or runs on is the
+    record's problem (RecordProblem: its file and line), in one line."""
+    try:
+        with time_limit(TEMPLATE_SECONDS):
+            return assistant_positions(tokenizer, messages)
+    except DataProblem as exc:
+        raise RecordProblem(index, str(exc)) from None
+    except TemplateTooSlow:
+        raise RecordProblem(index, f"the chat template of {model} ran for more than {TEMPLATE_SECONDS} s on this "
+                                   f"conversation, where a template takes milliseconds; fix the template "
+                                   f"(chat_template.jinja, or chat_template in tokenizer_config.json)") from None
+    except Exception as exc:  # noqa: BLE001 - the template is the model directory's code: whatever it raises
+        raise RecordProblem(index, f"the chat template of {model} fails on this conversation "
+                                   f"({one_line(f'{type(exc).__name__}: {exc}', limit=300)}); fix the template or the "
+                                   f"record") from None
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    """Raise TemplateTooSlow in the body after `seconds` (a timer signal: jinja's loops are Python code, which the
+    signal interrupts). Only in the main thread, the one signals reach; elsewhere no limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TemplateTooSlow()
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def encode_pair(prompt, response, eos, block_size):
@@ -250,6 +401,10 @@ def value_problem(column, value, conversation):
         if isinstance(value, str):
             return (f"the column {column!r} holds text, not conversations (lists of {{role, content}} turns): "
                     f"use --format text --text-column {column}, or --format pairs")
+        if isinstance(value, list) and value and all(isinstance(m, dict) and {"from", "value"} <= m.keys()
+                                                     for m in value):
+            return (f"the column {column!r} holds turns of {{from, value}} (ShareGPT's), not {{role, content}}: rename "
+                    f"the keys to role and content, and the roles 'human' and 'gpt' to 'user' and 'assistant'")
         return f"the column {column!r} holds {value!r:.60}, not a list of {{role, content}} turns with text content"
     if isinstance(value, str):
         return None

@@ -1,11 +1,12 @@
 """A pretrained Hugging Face causal model for a fine-tune: read the way each engine needs it.
 
 Owns: --model's config and tokenizer, read before the Accelerator exists (with the parameter count, from a model
-on the meta device), and the messages for a path or hub id that cannot be read; the weights, loaded in the dtype
-a full or LoRA fine-tune trains them in, partitioned while loaded under ZeRO-3 and sharded from the main
-process's copy under FSDP2, with the attention implementation the recipe gives its masks (finetune_data/
-packing.py); LoRA's adapters on top (lora/adapters.py); and the one-line note for LoRA under ZeRO-3 on GPUs that
-can each hold the frozen base.
+on the meta device) and with the weight files' check (pretrained/weights.py), and the one-line messages for a path,
+hub id or directory that cannot be read; transformers told never to run a directory's own code (NO_CODE); the
+weights, loaded in the dtype a full or LoRA fine-tune trains them in, partitioned while loaded under ZeRO-3 and
+sharded from the main process's copy under FSDP2, with the attention implementation the recipe gives its masks
+(finetune_data/packing.py); LoRA's adapters on top (lora/adapters.py); and the one-line note for LoRA under ZeRO-3
+on GPUs that can each hold the frozen base.
 """
 
 import os
@@ -14,31 +15,50 @@ import re
 import torch
 
 from lora.adapters import LoraProblem, with_lora
+from pretrained.weights import weights_problem
+from runkit.exits import one_line
 
 # A hub id: a name, or an organisation and a name. Anything else given to --model is a path.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+# Given to every transformers call that reads --model: a directory's own Python files (auto_map) never run, and
+# transformers never stops to ask on stdin whether they may (it did, for 15 s, before taking the answer "y").
+NO_CODE = {"trust_remote_code": False}
 
 
 def load_config_and_tokenizer(name):
-    """(config, parameter count, tokenizer, error), before any weight is read. Called before the Accelerator
-    exists: under ZeRO-3 transformers would partition even a model on the meta device."""
+    """(config, parameter count, tokenizer, error), before any weight is read, and for a local directory its weight
+    files checked (pretrained/weights.py). Called before the Accelerator exists: under ZeRO-3 transformers would
+    partition even a model on the meta device. Nothing in the directory runs (NO_CODE)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # here: --help stays quick
     path = os.path.expanduser(name)
     if not os.path.isdir(path) and not HUB_ID.fullmatch(name):
         return None, 0, None, (f"--model {name!r}: no such directory. Give a directory written by save_pretrained "
                                f"(config.json, the weights and the tokenizer), or a hub id such as Qwen/Qwen2.5-0.5B")
     try:
-        config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, **NO_CODE)
+        tokenizer = AutoTokenizer.from_pretrained(path, **NO_CODE)
         if tokenizer.eos_token_id is None:
             raise ValueError("its tokenizer has no end-of-sequence token, which marks where a response ends")
         with torch.device("meta"):
-            n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-        return config, n_params, tokenizer, None
-    except (OSError, ValueError) as exc:
-        local = "" if os.path.isdir(path) else ", and there is no local directory of that name"
-        return None, 0, None, (f"cannot load model {name!r} ({str(exc).splitlines()[0]}{local}). Offline, give a "
-                               f"local directory written by save_pretrained, or download it first on a machine with "
-                               f"internet (hf download)")
+            n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config, **NO_CODE).parameters())
+    except Exception as exc:  # noqa: BLE001 - whatever a model directory holds: one line, never a traceback
+        return None, 0, None, cannot_load(name, path, exc)
+    problem = weights_problem(path, n_params, config) if os.path.isdir(path) else None
+    return config, n_params, tokenizer, problem and f"--model {name}: {problem}"
+
+
+def cannot_load(name, path, exc):
+    """The one line for a --model that transformers cannot read: what it said, and what to do."""
+    said = one_line(f"{type(exc).__name__}: {exc}", limit=300)
+    if "trust_remote_code" in str(exc):  # auto_map: the directory asks to run its own Python files
+        return (f"--model {name}: it asks to run its own code (auto_map in config.json or tokenizer_config.json), "
+                f"which this recipe never does with files from a directory: give a model that transformers loads "
+                f"without custom code")
+    if os.path.isdir(path):
+        return f"cannot load model {name!r} ({said}). Give a directory written by save_pretrained, as it wrote it"
+    return (f"cannot load model {name!r} ({said}, and there is no local directory of that name). Offline, give a "
+            f"local directory written by save_pretrained, or download it first on a machine with internet "
+            f"(hf download)")
 
 
 def load_model(args, run, mixed_precision, attention):
@@ -53,9 +73,9 @@ def load_model(args, run, mixed_precision, attention):
     try:
         with run.sharded_init(from_pretrained=True):  # ZeRO-3: partitioned while loaded; FSDP2: main's copy sharded
             model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=dtype,
-                                                         attn_implementation=attention)
-    except (OSError, ValueError) as exc:
-        run.fail(f"cannot load the weights of {args.model!r}: {str(exc).splitlines()[0]}")
+                                                         attn_implementation=attention, **NO_CODE)
+    except Exception as exc:  # noqa: BLE001 - a weight file transformers refuses: one line, never a traceback
+        run.fail(f"cannot load the weights of {args.model!r}: {one_line(f'{type(exc).__name__}: {exc}', limit=300)}")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # no generation cache while training

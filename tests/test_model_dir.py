@@ -1,0 +1,125 @@
+"""A --model directory is untrusted (shared storage): loading it never runs its code, and each problem it can hold
+ends in one line before transformers allocates or loads anything (recipes/pretrained/). Issue 46, item 4.
+
+Quick: each problem planted into a copy of tests/tiny_hf.py's model (tiny_hf.planted_copy) and read by the functions
+finetune_lm.py calls, in this process; custom code in a subprocess on a terminal, which answers "y" to any question.
+The run that shows the line as the recipe prints it: test_finetune_lm.py's test_each_input_error_is_one_clear_message.
+Also LoRA's base: the fingerprint that tells one model's weights from another's (issue 41, item 2).
+"""
+
+import os
+import pty
+import select
+import sys
+import time
+
+import pytest
+
+from launching import REPO
+from tiny_hf import planted_copy, write_all, write_model, write_tokenizer
+
+sys.path.insert(0, str(REPO / "recipes"))
+from pretrained.loading import load_config_and_tokenizer  # noqa: E402
+from pretrained.weights import WeightsProblem, check_base, fingerprint, record_base  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_all(tmp_path_factory.mktemp("tiny_model_dir"))
+
+
+@pytest.mark.parametrize("problem, words", [
+    ("pickle", "pytorch_model.bin holds a pickle that would run code, refused by weights-only loading (Unsupported "
+               "global: GLOBAL print); use a model saved as safetensors"),
+    ("header", "model.safetensors is not a safetensors file this code reads: its header claims 4611686018427387904 "
+               "bytes in a file of"),
+    ("vocab", "its config.json describes a model of 64,000,018,592 parameters (vocab_size 1000000000, hidden_size 32, "
+              "num_hidden_layers 2) and its weight files hold 39,072 values: they do not belong together"),
+])
+def test_each_weight_file_problem_is_one_line_before_anything_loads(tiny, tmp_path, problem, words, capsys):
+    """A .bin weight file whose pickle would run code (weights-only refused it, then a traceback), a safetensors
+    header of 2**62 bytes (a traceback), vocab_size 10**9 in config.json (128 GB allocated before any check): each
+    is the one line load_config_and_tokenizer returns, before the Accelerator, the data or the weights."""
+    model = planted_copy(tiny / "model", tmp_path / problem, problem)
+    config, n_params, tokenizer, error = load_config_and_tokenizer(str(model))
+    assert error is not None and error.startswith(f"--model {model}: ") and words in error, error
+    assert "\n" not in error and "PLANTED" not in capsys.readouterr().out
+    assert load_config_and_tokenizer(str(tiny / "model"))[3] is None  # the untouched model passes
+
+
+# In a subprocess on a terminal, as a user runs the recipe: transformers asked "Do you wish to run the custom code?
+# [y/N]" there, and ran the directory's code after a "y".
+ON_A_TERMINAL = """
+import sys
+sys.path.insert(0, "recipes")
+from pretrained.loading import load_config_and_tokenizer
+print("RESULT", load_config_and_tokenizer(sys.argv[1])[3], flush=True)
+"""
+
+
+def run_on_a_terminal(args, answer=b"y\n", timeout=120):
+    """(exit status, output) of `python -c ON_A_TERMINAL args` on a pseudo-terminal that answers `answer` at once."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.chdir(REPO)
+        os.execv(sys.executable, [sys.executable, "-c", ON_A_TERMINAL, *args])
+    output, deadline = b"", time.monotonic() + timeout
+    os.write(fd, answer)
+    try:
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 1)[0]:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                output += chunk
+    finally:
+        finished, status = os.waitpid(pid, os.WNOHANG)
+        while not finished and time.monotonic() < deadline:  # the terminal closes just before the process ends
+            select.select([], [], [], 0.1)
+            finished, status = os.waitpid(pid, os.WNOHANG)
+        os.close(fd)
+        if not finished:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+    if not finished:
+        pytest.fail(f"still running after {timeout} s:\n{output.decode(errors='replace')[-3000:]}")
+    return os.waitstatus_to_exitcode(status), output.decode(errors="replace")
+
+
+def test_a_model_directory_never_runs_its_code_even_after_a_yes(tiny, tmp_path):
+    """Issue 46, item 5: tokenizer_config.json's auto_map naming the directory's own evil.py made transformers ask on
+    stdin, and a "y" ran it. trust_remote_code=False is given to every transformers call: no question, one line, and
+    the code never ran (it would have written the marker file)."""
+    marker = tmp_path / "ran"
+    model = planted_copy(tiny / "model", tmp_path / "remote-code", "remote-code", marker=marker)
+    code, output = run_on_a_terminal([str(model)])
+    assert code == 0 and not marker.exists(), output[-3000:]
+    assert "custom code? [y/N]" not in output, output[-3000:]
+    result = next(line for line in output.splitlines() if line.startswith("RESULT "))
+    assert result.startswith(f"RESULT --model {model}: it asks to run its own code (auto_map in config.json or "
+                             f"tokenizer_config.json), which this recipe never does"), result
+
+
+def test_the_fingerprint_tells_two_models_apart_and_an_adapter_checks_its_base(tiny, tmp_path):
+    """Issue 41, item 2: LoRA's checkpoints and adapter hold no base weights, so they record the base's fingerprint:
+    the same for a copy of the directory, another for a model of the same shapes with other weights, from headers
+    and a few windows of each tensor. check_base, which the documented adapter snippet calls, refuses another base."""
+    import shutil
+
+    base = tiny / "model"
+    copy = shutil.copytree(base, tmp_path / "copy")
+    other = tmp_path / "other"
+    write_model(other, write_tokenizer(other, ["Question: what is 1 plus 1?"]), seed=1)
+    assert fingerprint(base) == fingerprint(copy) != fingerprint(other)
+    assert fingerprint(base).startswith("sha256:") and fingerprint(tmp_path) is None  # no weight files: none
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    record_base(adapter, str(base), fingerprint(base))
+    check_base(adapter, str(copy))  # the same weights elsewhere: accepted
+    shutil.copy(other / "model.safetensors", copy / "model.safetensors")  # the directory's weights replaced
+    with pytest.raises(WeightsProblem) as refused:
+        check_base(adapter, str(copy))
+    assert str(refused.value).startswith(f"{copy} does not hold the weights the adapter in {adapter} was trained on")
