@@ -116,6 +116,7 @@ from finetune_data.examples import IGNORE, DataProblem, cut_note, load_examples
 from finetune_data.packing import attention_implementation, block_causal_mask, blocks_note
 from lora.adapters import flags_without_rank, merge_adapters
 from pretrained.loading import load_config_and_tokenizer, load_model, zero3_lora_note
+from pretrained.weights import base_fingerprint, record_base
 from runkit import Run
 from runkit.engines import run_label
 
@@ -248,13 +249,15 @@ def greedy_answer(model, accelerator, tokenizer, example, fmt, args):
             "sample": tokenizer.decode(new), "sample_token_ids": new, "sample_logprobs": logprobs}
 
 
-def export(weights, model, accelerator, tokenizer, args, output_dir):
-    """Main process: directories from_pretrained (and PEFT) load, with the tokenizer; returns where they are."""
+def export(weights, model, accelerator, tokenizer, args, output_dir, base_weights=None):
+    """Main process: directories from_pretrained (and PEFT) load, with the tokenizer; returns where they are. The
+    adapter's directory also records the base it adapts and that base's fingerprint (pretrained/weights.py)."""
     model_dir, adapter_dir = (os.path.join(output_dir, name) for name in ("model", "adapter"))
     plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
     if args.lora_r:  # PEFT's own format, in fp32; PEFT picks the adapters' tensors out of the whole model's
         plain.save_pretrained(adapter_dir, state_dict=weights)
         tokenizer.save_pretrained(adapter_dir)
+        record_base(adapter_dir, args.model, base_weights)
         if not args.merge_lora:
             return adapter_dir
         weights, plain = merge_adapters(weights, plain), plain.get_base_model()
@@ -291,6 +294,8 @@ def main(argv=None):
     attention = attention_implementation(config, args.block_size)  # None: the model builds its own masks
     model, dtype = load_model(args, run, accelerator.mixed_precision, attention)
     zero3_lora_note(args, run, accelerator, n_params, dtype)
+    # LoRA's checkpoints and adapter hold no base weights: they go with the base they adapt (resume_rules.py)
+    base = {"base_weights": base_fingerprint(args.model)} if args.lora_r else {}
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     trained = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)  # ZeRO-3: the whole parameter's size
     micro = args.batch_size // args.grad_accum
@@ -315,7 +320,8 @@ def main(argv=None):
               describe=f"{args.model}: {n_params / 1e6:.3g} M parameters | {data.format}: {data.source}, "
                        f"{blocks_note(facts, data.format, args.block_size)}, {100 * facts['loss_positions_share']:.0f}%"
                        f" of positions in the loss{cut_note(data.cuts, data.format, args.block_size)}",
-              data_facts={"source": data.source, "data_format": data.format, "train_examples": facts["train_examples"]})
+              data_facts={"source": data.source, "data_format": data.format, "train_examples": facts["train_examples"],
+                          **base})
 
     # The loss is the mean over every loss token of the optimizer step, whatever the micro-batch and the rank:
     # each micro-batch's summed loss over the step's token count, times what backward() then divides by
@@ -334,10 +340,10 @@ def main(argv=None):
                 optimizer.zero_grad()
             if run.step(loss):  # a stop signal, or the last step
                 break
-    return finish(run, model, accelerator, tokenizer, data, args, dtype, trained)
+    return finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base)
 
 
-def finish(run, model, accelerator, tokenizer, data, args, dtype, trained):
+def finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base):
     """The greedy answer to a held-out prompt, then run.finish: the export and the summary (with the data's facts)."""
     sample = {}
     if args.sample_tokens and not run.stopping:
@@ -346,7 +352,8 @@ def finish(run, model, accelerator, tokenizer, data, args, dtype, trained):
     lora = {"lora_r": args.lora_r, "trainable_params": trained,
             "frozen_dtype": str(dtype).removeprefix("torch.") if args.lora_r else None}
     return run.finish(model, export=functools.partial(export, model=model, accelerator=accelerator,
-                                                      tokenizer=tokenizer, args=args, output_dir=run.output_dir),
+                                                      tokenizer=tokenizer, args=args, output_dir=run.output_dir,
+                                                      base_weights=base.get("base_weights")),
                       exported_dtype=args.save_dtype, base_model=args.model, data_format=data.format,
                       data_source=data.source, block_size=args.block_size,
                       gradient_checkpointing=args.gradient_checkpointing, **data.facts, **lora, **sample, **data.cuts)

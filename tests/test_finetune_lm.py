@@ -24,15 +24,17 @@ from launching import (
     FINETUNE_BATCH,
     FINETUNE_BLOCK,
     FINETUNE_STEPS,
+    LORA,
     LORA_PRECISION,
     OFFLOAD,
     REPO,
     LaunchResult,
     finetune_args,
+    run_command,
     run_commands,
 )
 from run_checks import assert_engine, assert_refused, assert_shards_held
-from tiny_hf import conversations, corpus, uneven_pairs
+from tiny_hf import conversations, corpus, planted_copy, uneven_pairs
 
 sys.path.insert(0, str(REPO / "recipes"))
 STEPS, BATCH, BLOCK = FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_BLOCK
@@ -199,6 +201,32 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora, hf, tmp_pa
 
 
 @pytest.mark.slow
+def test_a_lora_run_on_a_base_whose_weights_were_replaced_is_refused(hf, tmp_path):
+    """Issue 41, item 2: a LoRA checkpoint recorded its base as a path only, and the same command resumed onto
+    another model's weights in silence (an adapter trained on two bases). Now the checkpoint holds the base's
+    fingerprint: the same command again, after the weights in --model were replaced, is refused in one line (exit 2
+    from python; 1 under accelerate launch), and the documented adapter snippet's check_base refuses the adapter."""
+    from transformers import AutoTokenizer
+
+    from pretrained.weights import WeightsProblem, check_base
+    from tiny_hf import write_model
+    base, out = shutil.copytree(hf / "model", tmp_path / "base"), tmp_path / "out"
+    cmd = [sys.executable, "recipes/finetune_lm.py", *finetune_args(hf), "--model", str(base), *LORA,
+           "--max-steps", "3", "--checkpoint-dir", str(tmp_path / "ckpt"), "--output-dir", str(out)]
+    first = LaunchResult(*run_command(cmd), out)
+    assert first.returncode == 0 and first.summary["steps"] == 3, first.output[-3000:]
+    check_base(out / "adapter", str(base))  # its own base: accepted
+    write_model(tmp_path / "other", AutoTokenizer.from_pretrained(base), seed=1)  # the same shapes, other weights
+    shutil.copy(tmp_path / "other" / "model.safetensors", base / "model.safetensors")
+    again = LaunchResult(*run_command(cmd), out)
+    assert again.returncode == 2, again.output[-3000:]
+    assert_refused(again, f"step-00000003: its LoRA adapters were trained on other base weights than --model {base} "
+                          f"holds now")
+    with pytest.raises(WeightsProblem, match="does not hold the weights the adapter in"):
+        check_base(out / "adapter", str(base))
+
+
+@pytest.mark.slow
 def test_resume_with_another_grad_accum_from_an_odd_step(finetune, tmp_path):
     """A checkpoint of step 3 written with --grad-accum 1, resumed with --grad-accum 2 (what a job back on fewer
     GPUs does): the steps go on exactly as before. accelerate's restored micro-batch counter (3) would make
@@ -217,11 +245,16 @@ def test_resume_with_another_grad_accum_from_an_odd_step(finetune, tmp_path):
 @pytest.mark.slow
 def test_each_input_error_is_one_clear_message(finetune, hf, tmp_path):
     offline = {"HF_HUB_OFFLINE": "1"}
+    planted = {problem: str(planted_copy(hf / "model", tmp_path / problem, problem))
+               for problem in ("pickle", "raising-template")}  # test_model_dir.py has each problem in this process
     cases = [
         (["--model", "no-such-org/no-such-model"], offline, "cannot load model 'no-such-org/no-such-model'"),
         (["--block-size", "4096"], {}, "longer than"),
         (["--model", "./llama-8b"], offline, "--model './llama-8b': no such directory"),  # not "a malformed hub id"
         (["--merge-lora"], {}, "--merge-lora acts on LoRA adapters, and without --lora-r this run is a full"),
+        (["--model", planted["pickle"]], {}, "pytorch_model.bin holds a pickle that would run code"),
+        (["--model", planted["raising-template"], "--data-files", str(hf / "chat.jsonl")], {},
+         f"{hf / 'chat.jsonl'}, line 1: the chat template of {planted['raising-template']} fails on this conversation"),
     ]
     outs = [tmp_path / f"out{i}" for i in range(len(cases))]
     commands = [([sys.executable, "recipes/finetune_lm.py", *finetune_args(hf), "--output-dir", str(out), *args], env)

@@ -77,6 +77,17 @@ def test_the_hints_for_a_batch_that_does_not_split_lead_to_a_run_that_starts():
     assert "with --grad-accum 1" in batch_problem(2, 6, 4)  # no count splits 6 into 4 micro-batches
 
 
+def test_a_lora_checkpoint_is_refused_on_another_base():
+    """Issue 41, item 2: finetune_lm's LoRA checkpoints record the fingerprint of --model's weights as a data fact;
+    the same --model path holding other weights is refused with a message that says so."""
+    saved = manifest(model="./base", base_weights="sha256:" + "a" * 64)
+    problem = incompatibility(saved, now(), {**SETTINGS, "model": "./base", "base_weights": "sha256:" + "b" * 64})
+    assert problem == ("its LoRA adapters were trained on other base weights than --model ./base holds now "
+                       "(fingerprint sha256:aaaaaaaaaaaa, now sha256:bbbbbbbbbbbb): adapters continued on another base "
+                       "are trained on two. Give --model the weights it was trained on")
+    assert incompatibility(saved, now(), {**SETTINGS, "model": "./base", "base_weights": "sha256:" + "a" * 64}) is None
+
+
 def test_every_kind_of_checkpoint_has_a_way_onto_another_world_size():
     """No kind is refused for its world size alone (ZeRO-1 and ZeRO-3 were, until their launches in
     test_checkpoint_resume.py followed the uninterrupted run); the ZeRO stages go through the universal checkpoint."""

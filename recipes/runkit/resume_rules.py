@@ -115,6 +115,11 @@ def incompatibility(manifest, now, must_match):
               for k in sorted(set(before) | set(must_match)) if before.get(k) != must_match.get(k) and k not in RESHAPE}
     if not differ:
         return None
+    if "base_weights" in differ:  # finetune_lm's LoRA: the checkpoint holds adapters for another base's weights
+        saved, now_held = (str(v)[:19] for v in differ["base_weights"])
+        return (f"its LoRA adapters were trained on other base weights than --model {must_match.get('model')} holds "
+                f"now (fingerprint {saved}, now {now_held}): adapters continued on another base are trained on two. "
+                f"Give --model the weights it was trained on")
     shown = ", ".join(f"{k} {_short(a)} vs {_short(b)}" for k, (a, b) in list(differ.items())[:SHOWN])
     more = f" and {len(differ) - SHOWN} more" if len(differ) > SHOWN else ""
     # A checkpoint written before manifests named their recipe: flags only one side has mean another recipe.
