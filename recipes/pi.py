@@ -73,7 +73,8 @@ def main(argv=None):
     refusals.check_launch(accelerator)
     log = exits.main_print(accelerator)
     rank, world = accelerator.process_index, accelerator.num_processes
-    log(f"{accelerator.distributed_type.value} | {world} processes on {accelerator.device.type}")
+    log(f"{accelerator.distributed_type.value} | {world} process{'es' if world != 1 else ''} on "
+        f"{accelerator.device.type}")
     results = []
     for n in args.intervals:
         first, last = rank * n // world, (rank + 1) * n // world  # contiguous, sizes differ by at most 1

@@ -265,6 +265,53 @@ def run_commands(commands, timeout=600, cwd=REPO):
     return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
 
 
+def on_a_terminal(cmd, answer=b"", columns=150, timeout=300, cwd=REPO):
+    """(exit code, output) of cmd run on a pseudo-terminal `columns` wide, as a user runs it at a prompt (progress
+    bars drawn, questions asked on it), `answer` typed at once. A process still running at `timeout` is killed."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.chdir(cwd)
+        os.execvpe(cmd[0], cmd, dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    os.write(fd, answer)
+    output, deadline, finished, status = b"", time.monotonic() + timeout, 0, 0
+    while time.monotonic() < deadline and not finished:
+        if select.select([fd], [], [], 0.1)[0]:
+            try:
+                output += os.read(fd, 65536)
+            except OSError:  # the terminal closed: the process is ending
+                pass
+        finished, status = os.waitpid(pid, os.WNOHANG)
+    try:
+        while select.select([fd], [], [], 0)[0] and (chunk := os.read(fd, 65536)):
+            output += chunk
+    except OSError:
+        pass
+    os.close(fd)
+    if not finished:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail(f"{' '.join(map(str, cmd[:6]))} still running after {timeout} s:\n"
+                    f"{output.decode(errors='replace')[-3000:]}")
+    return os.waitstatus_to_exitcode(status), output.decode(errors="replace")
+
+
+def terminal_lines(output):
+    """What a terminal shows of output, line by line: within a line, each carriage return starts it over (a line
+    of spaces only clears it); the last text written on it is what stays."""
+    shown = []
+    for line in output.replace("\r\n", "\n").split("\n"):
+        parts = [part for part in line.split("\r") if part.strip()]
+        shown.append(parts[-1] if parts else "")
+    return shown
+
+
 # A stop signal ends a run within this time: the next agreement (a progress line), a checkpoint and the
 # processes' exit take seconds here; a rank that ignores the agreement would hang until the collective timeout.
 STOP_SECONDS = 60

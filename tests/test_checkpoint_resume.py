@@ -229,7 +229,7 @@ def test_zero_resumes_on_another_world_size_through_the_universal_checkpoint(she
     run = shelf("gpt", "deepspeed_zero2.yaml", "--grad-accum", "2", "--checkpoint-dir", str(tmp_path / "three"),
                 "--resume", str(written_by_2), launch_args=(*FP32, "--num_processes", "1"), check=False)
     assert run.returncode == 1, run.output[-3000:]
-    assert (f"error: checkpoint {written_by_2} cannot be used on 1 processes: its converted part {derived}: {rel} "
+    assert (f"error: checkpoint {written_by_2} cannot be used on 1 process: its converted part {derived}: {rel} "
             f"does not match its recorded size and checksum") in run.output, run.output[-3000:]
     assert f"Remove {derived} to have it converted again" in run.output
     assert "ZeRO state to DeepSpeed's universal checkpoint in" not in run.output  # reused, not converted again

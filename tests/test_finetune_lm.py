@@ -534,6 +534,22 @@ def test_full_lora_packed_and_padded_runs_keep_their_own_output_directories():
     assert len(dirs) == 5 and "runs/finetune_lm/1proc" in dirs and "runs/finetune_lm/1proc-lora-r16" in dirs
 
 
+def test_lora_prints_no_library_warning_before_the_first_line(hf):
+    """Issue 41, item 8: with LoRA every rank printed transformers' FutureWarning (`is_gradient_checkpointing` is
+    deprecated, asked by PEFT) before the run's error line, which the README promises comes first."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from finetune_lm import parse_args
+    from lora.adapters import with_lora
+    base = AutoModelForCausalLM.from_pretrained(hf / "model")
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with_lora(base, parse_args(["--model", str(hf / "model"), "--lora-r", "4"]))
+    assert [str(w.message) for w in shown if issubclass(w.category, (FutureWarning, DeprecationWarning))] == []
+
+
 def test_lora_flags_without_a_rank_are_refused():
     """Issue 35, item 8: TRL and torchtune build LoRA from the LoRA settings given; here the rank switches it on,
     so a LoRA flag without --lora-r is refused rather than ignored (one message, tested end to end above)."""

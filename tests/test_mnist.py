@@ -5,11 +5,22 @@ The launches refused by runkit's start-up checks (refusals.py), made with mnist.
 import json
 import math
 import re
+import sys
 
 import pytest
 import torch
 
-from launching import ALL_CONFIGS, CONFIG_DIR, CONFIG_FILES, EXPECTED, TEST_SIZE, load_yaml
+from launching import (
+    ALL_CONFIGS,
+    CONFIG_DIR,
+    CONFIG_FILES,
+    DATA_ARGS,
+    EXPECTED,
+    TEST_SIZE,
+    load_yaml,
+    on_a_terminal,
+    terminal_lines,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -226,3 +237,21 @@ def test_deepspeed_bf16_exports_the_fp32_masters(launch):
     assert weights and all(v.dtype == torch.float32 for v in weights.values())
     # Trained fp32 masters are almost never representable in bf16's 8-bit mantissa; bf16 weights always are.
     assert any((v != v.bfloat16().float()).any() for v in weights.values()), "exported weights are bf16 values"
+
+
+def test_on_a_terminal_each_line_stands_above_the_progress_bar(data_dir, tmp_path):
+    """Issue 41, item 8: on a terminal each `epoch N done | test loss ...` line was glued to the end of the progress
+    bar, the bar was drawn a second time below it at the end, and the first line said "1 processes". Run as a user
+    runs it (a pseudo-terminal, so the bar is drawn): as the terminal shows it, every line starts a line of its own,
+    the finished bar is on one line, and the first line says "1 process"."""
+    code, output = on_a_terminal([sys.executable, "recipes/mnist.py", "--data-dir", str(data_dir), *DATA_ARGS,
+                                  "--epochs", "2", "--batch-size", "200", "--log-every", "5",
+                                  "--output-dir", str(tmp_path / "out")])
+    shown = terminal_lines(output)
+    assert code == 0 and "10/20" in output, output[-3000:]  # the bar was drawn
+    done = [line for line in shown if "done | test loss" in line]
+    assert len(done) == 2 and all(line.startswith("epoch ") for line in done), shown
+    bars = [line for line in shown if re.search(r"\| \d+/20 \[", line)]
+    assert len([line for line in bars if "| 20/20 [" in line]) == 1, shown  # the finished bar, once
+    assert all(re.fullmatch(r"\s*\d+%\|.*it/s\]", line) for line in bars), bars  # nothing glued to a bar
+    assert next(line for line in shown if "| mixed precision" in line).startswith("NO | 1 process on cpu |"), shown

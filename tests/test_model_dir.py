@@ -7,15 +7,11 @@ The run that shows the line as the recipe prints it: test_finetune_lm.py's test_
 Also LoRA's base: the fingerprint that tells one model's weights from another's (issue 41, item 2).
 """
 
-import os
-import pty
-import select
 import sys
-import time
 
 import pytest
 
-from launching import REPO
+from launching import REPO, on_a_terminal
 from tiny_hf import planted_copy, write_all, write_model, write_tokenizer
 
 sys.path.insert(0, str(REPO / "recipes"))
@@ -57,45 +53,13 @@ print("RESULT", load_config_and_tokenizer(sys.argv[1])[3], flush=True)
 """
 
 
-def run_on_a_terminal(args, answer=b"y\n", timeout=120):
-    """(exit status, output) of `python -c ON_A_TERMINAL args` on a pseudo-terminal that answers `answer` at once."""
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: never returns into pytest
-        os.chdir(REPO)
-        os.execv(sys.executable, [sys.executable, "-c", ON_A_TERMINAL, *args])
-    output, deadline = b"", time.monotonic() + timeout
-    os.write(fd, answer)
-    try:
-        while time.monotonic() < deadline:
-            if select.select([fd], [], [], 1)[0]:
-                try:
-                    chunk = os.read(fd, 4096)
-                except OSError:  # the child closed the terminal
-                    break
-                if not chunk:
-                    break
-                output += chunk
-    finally:
-        finished, status = os.waitpid(pid, os.WNOHANG)
-        while not finished and time.monotonic() < deadline:  # the terminal closes just before the process ends
-            select.select([], [], [], 0.1)
-            finished, status = os.waitpid(pid, os.WNOHANG)
-        os.close(fd)
-        if not finished:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-    if not finished:
-        pytest.fail(f"still running after {timeout} s:\n{output.decode(errors='replace')[-3000:]}")
-    return os.waitstatus_to_exitcode(status), output.decode(errors="replace")
-
-
 def test_a_model_directory_never_runs_its_code_even_after_a_yes(tiny, tmp_path):
     """Issue 46, item 5: tokenizer_config.json's auto_map naming the directory's own evil.py made transformers ask on
     stdin, and a "y" ran it. trust_remote_code=False is given to every transformers call: no question, one line, and
     the code never ran (it would have written the marker file)."""
     marker = tmp_path / "ran"
     model = planted_copy(tiny / "model", tmp_path / "remote-code", "remote-code", marker=marker)
-    code, output = run_on_a_terminal([str(model)])
+    code, output = on_a_terminal([sys.executable, "-c", ON_A_TERMINAL, str(model)], answer=b"y\n", timeout=120)
     assert code == 0 and not marker.exists(), output[-3000:]
     assert "custom code? [y/N]" not in output, output[-3000:]
     result = next(line for line in output.splitlines() if line.startswith("RESULT "))

@@ -8,6 +8,8 @@ in (merge_adapters), computed from the exported state dict, which holds every ra
 no distributed call.
 """
 
+import warnings
+
 
 class LoraProblem(ValueError):
     """--lora-targets the model cannot take: one message that names its linear layers."""
@@ -59,7 +61,11 @@ def with_lora(model, args, adapter_dtype=None):
     linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                      if isinstance(module, torch.nn.Linear)} - {"lm_head"})
     try:
-        model = get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # PEFT 0.21 asks the model for transformers 5's deprecated is_gradient_checkpointing: every rank printed
+            # that FutureWarning before the run's first line (or its error line). Nothing a user can change.
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = get_peft_model(model, config)
     except ValueError as exc:
         raise LoraProblem(f"--lora-targets {args.lora_targets!r}: {str(exc).splitlines()[0]}. This model's linear "
                           f"layers are {','.join(linear)}") from None

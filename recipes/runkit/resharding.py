@@ -75,23 +75,27 @@ def universal_part(accelerator, held, manifest):
             error = (f"checkpoint {path} cannot be used: {exc}. This code never writes such a file: find out who "
                      f"did, and do not load it by other means.")
         except ConversionReplaced as exc:
-            error = (f"checkpoint {path} cannot be used on {accelerator.num_processes} processes: {exc}. Use a "
+            error = (f"checkpoint {path} cannot be used on {_processes(accelerator.num_processes)}: {exc}. Use a "
                      f"--checkpoint-dir only you can write to (chmod go-w), and check the files there")
         except Exception as exc:  # noqa: BLE001 - DeepSpeed's converter on a file it cannot use: one message
-            error = (f"checkpoint {path} cannot be used on {accelerator.num_processes} processes: converting its "
+            error = (f"checkpoint {path} cannot be used on {_processes(accelerator.num_processes)}: converting its "
                      f"ZeRO state to DeepSpeed's universal checkpoint failed ({type(exc).__name__}: "
                      f"{(str(exc).splitlines() or [''])[0][:300]}). Relaunch with "
-                     f"{manifest['layout']['world_size']} processes.")
+                     f"{_processes(manifest['layout']['world_size'])}.")
     main_process_result(accelerator, (None, error))
     part, problem = _derived_part(held, source)
     problem = first_rank_problems(accelerator, problem)[0]
     damage, unsafe = (problem, None) if problem else checked_by_every_rank(accelerator, part)
     if damage or unsafe:
         part.close()
-        fail(accelerator, f"checkpoint {path} cannot be used on {accelerator.num_processes} processes: its "
+        fail(accelerator, f"checkpoint {path} cannot be used on {_processes(accelerator.num_processes)}: its "
                           f"converted part {derived}: {damage or unsafe}. Remove {derived} to have it converted "
-                          f"again, or relaunch with {manifest['layout']['world_size']} processes.")
+                          f"again, or relaunch with {_processes(manifest['layout']['world_size'])}.")
     return part
+
+
+def _processes(n):
+    return f"{n} process" + ("es" if n != 1 else "")
 
 
 def _derived_part(held, source):

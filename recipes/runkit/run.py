@@ -237,8 +237,8 @@ class Run:
         """What runs, on what, how far, and the command that stops it."""
         acc, e, world = self.accelerator, self.engine_facts, self.accelerator.num_processes
         per_process = self.batch_size // self.grad_accum // world
-        return (f"{e['distributed_type']} | {world} processes on {acc.device.type} | mixed precision "
-                f"{e['mixed_precision']} | ZeRO stage {e['deepspeed_stage'] or '-'} | optimizer "
+        return (f"{e['distributed_type']} | {world} process{'es' if world != 1 else ''} on {acc.device.type} | "
+                f"mixed precision {e['mixed_precision']} | ZeRO stage {e['deepspeed_stage'] or '-'} | optimizer "
                 f"{optimizer_name(optimizer)} ({implementation(optimizer)}) | global batch {self.batch_size} "
                 f"({self.grad_accum} x {per_process} per process) | {describe + ' | ' if describe else ''}"
                 f"{self.total_steps} steps | {how_to_stop(self.args.checkpoint_dir)}")
@@ -369,11 +369,16 @@ class Run:
                 f"{record[rate]:.0f} {self.unit}/s{mfu} | per micro-batch: data {record['data_ms']:.1f} ms, "
                 f"forward+backward {record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} "
                 f"ms, other {record['other_ms']:.1f} ms ({100 * record['data_fraction']:.0f}% waiting for data)")
+        self._say(line)
+        return record
+
+    def _say(self, line):
+        """Main process: a line printed while the progress bar may be on the terminal goes above it (tqdm.write), not
+        onto its end, and the bar is drawn again below it."""
         if self.bar.disable:
             self.print(line)
         else:
             tqdm.write(line)
-        return record
 
     def _mfu(self, units_per_s):
         return self.flops_per_unit * units_per_s / (self.peak_tflops * 1e12 * self.accelerator.num_processes)
@@ -401,7 +406,7 @@ class Run:
         s = self.state
         s["last_eval"] = {"step": s["step"], **result}
         self.evals.write({"step": s["step"], "epoch": s["epoch"], **result, "train_time_s": self._train_time()})
-        self.print(f"{when} | " + " | ".join(_shown(k, v) for k, v in result.items()))
+        self._say(f"{when} | " + " | ".join(_shown(k, v) for k, v in result.items()))
         self.timer.restart()  # evaluation is not data wait
         return result
 
