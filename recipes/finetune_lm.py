@@ -6,12 +6,13 @@
         --model ./my-llama-8b --data-files 'books/*.txt' --gradient-checkpointing
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/finetune_lm.py \\
         --model Qwen/Qwen2.5-7B-Instruct --data-files chat.jsonl --lora-r 16 --lr 2e-4 --merge-lora   # LoRA
-    python tests/tiny_hf.py /tmp/tiny && python recipes/finetune_lm.py --model /tmp/tiny/model \\
-        --data-files /tmp/tiny/pairs.jsonl --block-size 32 --max-steps 300 --batch-size 16 --lr 3e-3   # CPU
-    python recipes/finetune_lm.py --model /tmp/tiny/model --data-files /tmp/tiny/chat.jsonl \\
-        --max-steps 300 --batch-size 16 --lr 3e-3   # CPU, chat
-    python recipes/finetune_lm.py --model runs/finetune_lm/1proc/model --data-files /tmp/tiny/chat.jsonl \\
-        --lora-r 16 --merge-lora --max-steps 200 --batch-size 16 --lr 1e-2 --output-dir runs/chat-lora   # CPU
+    python tests/tiny_hf.py /tmp/tiny && OMP_NUM_THREADS=1 python recipes/finetune_lm.py --model /tmp/tiny/model \\
+        --data-files /tmp/tiny/pairs.jsonl --block-size 32 --max-steps 300 --batch-size 16 --lr 3e-3 \\
+        --output-dir runs/tiny-pairs   # CPU
+    OMP_NUM_THREADS=1 python recipes/finetune_lm.py --model /tmp/tiny/model --data-files /tmp/tiny/chat.jsonl \\
+        --max-steps 300 --batch-size 16 --lr 3e-3 --output-dir runs/tiny-chat   # CPU, chat
+    OMP_NUM_THREADS=1 python recipes/finetune_lm.py --model runs/tiny-pairs/model --data-files /tmp/tiny/chat.jsonl \\
+        --lora-r 16 --merge-lora --max-steps 200 --batch-size 16 --lr 1e-2 --output-dir runs/tiny-chat-lora   # CPU
 
 --model: a hub id or a local save_pretrained directory. The Accelerator exists before from_pretrained:
 under ZeRO-3 with zero3_init_flag (deepspeed_zero3*.yaml) transformers loads the model partitioned;
@@ -40,6 +41,10 @@ Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens 
 fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3
 or FSDP2 with it, 14B only under ZeRO-3 with CPU offload. LoRA r 16: 8B under DDP, ZeRO-3 or FSDP2,
 14B and 32B with --gradient-checkpointing.
+
+The CPU commands name OMP_NUM_THREADS=1, as the figures were measured: with torch's default (a thread per core) on
+a machine shared with other jobs, the threads wait for each other (123 tokens/s against 1,880 with one thread).
+accelerate launch sets it to 1 for each of several processes; give a lone process more on a machine of its own.
 
 Result: loss 5.74 to 0.37 (first CPU command), LoRA 3.83 to 1.36 (last), measured 2026-11-25, CPU (docs/recipes.md).
 """

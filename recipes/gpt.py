@@ -1,6 +1,6 @@
 """A GPT language model in plain PyTorch, trained on bytes: the ZeRO-3 showcase.
 
-    python recipes/gpt.py --preset tiny --max-steps 200                   # a CPU is enough
+    OMP_NUM_THREADS=1 python recipes/gpt.py --preset tiny --max-steps 200   # a CPU is enough (one thread: below)
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/gpt.py --preset 124M
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml recipes/gpt.py \\
         --preset 6.7B --batch-size 16 --peak-tflops 989 --data-files 'corpus/*.txt'
@@ -28,6 +28,9 @@ and bench/benchmark.py --recipe gpt compares the configs' tokens/s and memory.
 Memory per GPU on 2x80 GB (docs/recipes.md has the table per preset and engine): the
 largest preset that fits is 2.7B under DDP, 6.7B under ZeRO-1/2/3, and 13B only with ZeRO-3
 and CPU offload. Under ZeRO-3 and FSDP the model is built sharded (run.sharded_init()).
+
+On a CPU shared with other jobs, torch's default of a thread per core makes the threads wait for each other (a
+fine-tune ran 15x slower): the CPU command names OMP_NUM_THREADS=1, as its figures were measured.
 
 Result: --preset tiny --max-steps 200: loss 5.41 to 2.71, measured 2026-11-23 on a 2-core CPU (docs/recipes.md).
 """
