@@ -1,7 +1,7 @@
 """The CPU route: run the GPU configs (DeepSpeed, FSDP, --sync-bn) as processes on a machine without a GPU.
 
     PYTHONPATH=cpu_route accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml \
-        --mixed_precision no recipes/mnist.py
+        --deepspeed_config_file accelerate_configs/deepspeed_zero2_fp32.json recipes/mnist.py
 
 Python imports `sitecustomize` at start-up in every process, so this file acts in each worker
 that `accelerate launch` starts. On a machine with a GPU it does nothing. DDP configs need no

@@ -95,12 +95,19 @@ def cpu_route(config_name):
 
 
 def deepspeed_precision(config, launch_args, out_dir):
-    """A run asked for in fp32 (--mixed_precision no) under a DeepSpeed config gets a copy of the config's
-    JSON in that precision (bench/benchmark.py's deepspeed_json_in): accelerate ignores the flag there."""
+    """A run asked for in fp32 (--mixed_precision no) under a DeepSpeed config gets the config's fp32 JSON, shipped
+    beside it (accelerate_configs/*_fp32.json), or for another precision a copy of its JSON in that precision
+    (bench/benchmark.py's deepspeed_json_in): accelerate ignores the flag there."""
     launch_args = list(launch_args)
     if "--mixed_precision" not in launch_args:
         return []
     precision = launch_args[launch_args.index("--mixed_precision") + 1]
+    try:
+        ds_file = (load_yaml(config).get("deepspeed_config") or {}).get("deepspeed_config_file")
+    except (yaml.YAMLError, FileNotFoundError, AttributeError):
+        ds_file = None  # a test of a broken config: accelerate must reject it
+    if precision == "no" and ds_file and (REPO / ds_file.replace(".json", "_fp32.json")).is_file():
+        return ["--deepspeed_config_file", str(REPO / ds_file.replace(".json", "_fp32.json"))]
     try:
         copy = deepspeed_json_in(config, precision, out_dir.parent / f"{out_dir.name}-deepspeed")
     except (yaml.YAMLError, FileNotFoundError, AttributeError):

@@ -47,6 +47,39 @@ def test_config_parses_with_accelerates_loader(config):
             assert zero["stage3_gather_16bit_weights_on_model_save"] is True
 
 
+DEEPSPEED_JSONS = sorted(p.name for p in CONFIG_DIR.glob("deepspeed_*.json") if not p.stem.endswith("_fp32"))
+
+
+@pytest.mark.parametrize("name", DEEPSPEED_JSONS)
+def test_each_deepspeed_json_has_its_fp32_twin(name):
+    """Issue 41, item 5: `--mixed_precision no` does not reach DeepSpeed (its JSON sets the precision), and none
+    shipped in fp32: the quickstart's ZeRO-2 command with that flag ran bf16, 5x slower on a CPU without bf16
+    instructions. Each JSON has a twin, NAME_fp32.json, that differs in bf16 off and nothing else (the tests' fp32
+    DeepSpeed launches use them: launching.deepspeed_precision)."""
+    bf16 = json.loads((CONFIG_DIR / name).read_text())
+    fp32 = json.loads((CONFIG_DIR / name.replace(".json", "_fp32.json")).read_text())
+    assert bf16["bf16"] == {"enabled": True} and fp32["bf16"] == {"enabled": False}
+    assert {**fp32, "bf16": bf16["bf16"]} == bf16
+
+
+def test_the_first_line_says_where_deepspeeds_precision_comes_from():
+    """Issue 41, item 5: under DeepSpeed in bf16 the first line names the JSON that set it, and the fp32 twin."""
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    from runkit.engines import precision_source
+    env = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "accelerate_configs/deepspeed_zero2.json"}
+    cwd = os.getcwd()
+    os.chdir(REPO)  # the path is relative to where the launch started, as in the YAMLs
+    try:
+        note = precision_source({"distributed_type": "DEEPSPEED", "mixed_precision": "bf16"}, env)
+        assert note == (" (set by accelerate_configs/deepspeed_zero2.json, not by --mixed_precision; fp32: "
+                        "--deepspeed_config_file accelerate_configs/deepspeed_zero2_fp32.json)")
+        assert precision_source({"distributed_type": "DEEPSPEED", "mixed_precision": "no"}, env) == ""
+        assert precision_source({"distributed_type": "MULTI_GPU", "mixed_precision": "bf16"}, env) == ""
+    finally:
+        os.chdir(cwd)
+
+
 @pytest.mark.parametrize("config", CONFIG_FILES)
 def test_every_key_has_a_comment(config):
     for line in (CONFIG_DIR / config).read_text().splitlines():

@@ -89,6 +89,10 @@ def test_config_really_trains(launch, reference, config):
     assert shipped["exported_dtype"] == "float32"
     assert {v.dtype for v in smoke.params().values() if v.is_floating_point()} == {torch.float32}
     assert shipped["mixed_precision"] == shipped_precision(config)
+    if dist_type == "DEEPSPEED":  # the first line says that the JSON set bf16, and where fp32 is (issue 41, item 5)
+        json_file = load_yaml(config)["deepspeed_config"]["deepspeed_config_file"]
+        assert (f"mixed precision bf16 (set by {json_file}, not by --mixed_precision; fp32: --deepspeed_config_file "
+                f"{json_file.replace('.json', '_fp32.json')})") in smoke.output, smoke.output[:3000]
     assert s["mixed_precision"] == "no"  # the reference ran fp32, a DeepSpeed JSON included
     # Gradients are summed across processes in fp32 under every engine (DDP's fp32 gradients; the DeepSpeed
     # JSONs' communication_data_type; FSDP2's reduce_dtype set by runkit), and ZeRO-1/2 overlap that with

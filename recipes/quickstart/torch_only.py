@@ -7,8 +7,10 @@ r"""Quickstart: MNIST in plain PyTorch (torch_only.py) and the same file with Ac
     ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/2gpu.yaml --mixed_precision no \
         recipes/quickstart/with_accelerate.py                  # DDP, 2 processes on a CPU
     PYTHONPATH=cpu_route accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml \
-        --mixed_precision no recipes/quickstart/with_accelerate.py  # DeepSpeed ZeRO-2, 2 processes on a CPU
-Any config of accelerate_configs/ fits (ZeRO-1/2/3, ZeRO-3 offload, FSDP2). --batch-size is per process; the
+        --deepspeed_config_file accelerate_configs/deepspeed_zero2_fp32.json \
+        recipes/quickstart/with_accelerate.py                  # DeepSpeed ZeRO-2 in fp32, 2 processes on a CPU
+Any config of accelerate_configs/ fits (ZeRO-1/2/3, ZeRO-3 offload, FSDP2); a DeepSpeed JSON sets the precision,
+which --mixed_precision does not change: each has an fp32 twin, NAME_fp32.json. --batch-size is per process; the
 train loss is the printing process's, the test numbers cover the whole test set. MNIST is downloaded into
 --data-dir: fetch it once (`python recipes/quickstart/torch_only.py --epochs 0`) before launching processes;
 offline, `python recipes/synthetic_data/mnist.py data/synthetic` writes stand-in digits (--data-dir data/synthetic).

@@ -2,7 +2,8 @@
 
 Owns:
   * engine_facts / run_label: the distributed type, world size, precision, ZeRO stage and offload that run
-    (the first log line, the summary, checkpoint layouts, the default output directory);
+    (the first log line, the summary, checkpoint layouts, the default output directory), and where a DeepSpeed
+    run's precision comes from (precision_source: its JSON, whatever --mixed_precision says);
   * clipping: DeepSpeed clips like the recipe's --max-grad-norm, never by a config's default;
   * gradient reduction: fp32 under FSDP like DDP and the DeepSpeed JSONs, and what really runs;
   * BatchNorm buffers cast to the half precision DeepSpeed and FSDP compute in;
@@ -54,6 +55,19 @@ def engine_facts(accelerator):
     return {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
             "mixed_precision": accelerator.mixed_precision, "deepspeed_stage": zero.get("stage"),
             "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)}
+
+
+def precision_source(facts, environ=os.environ):
+    """For the first line, after the precision: under DeepSpeed in half precision, that its JSON set it (accelerate
+    launch's --mixed_precision does not change a DeepSpeed JSON: a CPU without bf16 instructions then ran 5x slower
+    than the fp32 it was asked for) and the fp32 JSON shipped beside it. "" otherwise."""
+    json_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
+    deepspeed = facts["distributed_type"] == DistributedType.DEEPSPEED.value
+    if not (deepspeed and json_file and facts["mixed_precision"] != "no"):
+        return ""
+    fp32 = json_file.removesuffix(".json") + "_fp32.json"
+    instead = f"--deepspeed_config_file {fp32}" if os.path.isfile(fp32) else f"a copy of {json_file} with it off"
+    return f" (set by {json_file}, not by --mixed_precision; fp32: {instead})"
 
 
 def run_label(accelerator):

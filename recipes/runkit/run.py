@@ -47,6 +47,7 @@ from .engines import (
     fsdp_reduce_in_fp32,
     gradient_sync,
     name_the_cpu_for_deepspeed,
+    precision_source,
     quiet_deprecated_collectives,
     run_label,
 )
@@ -238,10 +239,11 @@ class Run:
         acc, e, world = self.accelerator, self.engine_facts, self.accelerator.num_processes
         per_process = self.batch_size // self.grad_accum // world
         return (f"{e['distributed_type']} | {world} process{'es' if world != 1 else ''} on {acc.device.type} | "
-                f"mixed precision {e['mixed_precision']} | ZeRO stage {e['deepspeed_stage'] or '-'} | optimizer "
-                f"{optimizer_name(optimizer)} ({implementation(optimizer)}) | global batch {self.batch_size} "
-                f"({self.grad_accum} x {per_process} per process) | {describe + ' | ' if describe else ''}"
-                f"{self.total_steps} steps | {how_to_stop(self.args.checkpoint_dir)}")
+                f"mixed precision {e['mixed_precision']}{precision_source(e)} | ZeRO stage "
+                f"{e['deepspeed_stage'] or '-'} | optimizer {optimizer_name(optimizer)} ({implementation(optimizer)})"
+                f" | global batch {self.batch_size} ({self.grad_accum} x {per_process} per process) | "
+                f"{describe + ' | ' if describe else ''}{self.total_steps} step{'s' if self.total_steps != 1 else ''}"
+                f" | {how_to_stop(self.args.checkpoint_dir)}")
 
     def _already_complete(self, path, manifest):
         """The same command again after the run finished: say where its results are, change nothing, exit 0."""
