@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 PAGES = ["configs", "slurm", "checkpoints", "measuring", "troubleshooting",  # issue #13
-         "recipes", "writing-a-recipe"]  # issue #24
+         "recipes", "writing-a-recipe", "install"]  # issues #24, #41
 README_MAX_LINES = 260
 
 # Every key the recipes write into summary.json (recipes/runkit/run.py, reporting.py, timing.py and
@@ -208,16 +208,65 @@ def test_figures_finds_the_numbers_of_a_result():
         "99.98%", "8.3e-12", "1e5"]
 
 
-def test_setup_advice_comes_before_the_two_commands():
-    """A new user follows the README from the top: the virtual environment and the CPU-only torch come
-    before the first command that installs the requirements, not after it."""
+def test_setup_advice_comes_before_the_first_command():
+    """A new user follows the README from the top: the virtual environment, the install and where a CPU-only torch
+    comes from are said before the first command; docs/install.md, which the README links there, gives the CPU index
+    and what happens when it does not answer before its first command that installs the requirements."""
     text = README.read_text(encoding="utf-8")
-    first_command = re.search(r"^```bash\n(?:.*\n)*?.*pip install -r requirements\.txt", text, re.M)
-    assert first_command, "README.md has no command block that installs requirements.txt"
-    before = text[:first_command.start()]
-    for advice in ("python3 -m venv", "--index-url https://download.pytorch.org/whl/cpu", "--retries", "--timeout",
-                   "cuda-bindings"):
+    before = text[:text.index("```bash")]
+    for advice in ("python3 -m venv", "pip install -r requirements.txt",
+                   "--index-url https://download.pytorch.org/whl/cpu", "(docs/install.md)"):
         assert advice in before, f"README.md: say {advice!r} before the first command, not after it"
+    install = (DOCS / "install.md").read_text(encoding="utf-8")
+    first_command = re.search(r"^```bash\n(?:.*\n)*?.*pip install -r requirements\.txt", install, re.M)
+    assert first_command, "docs/install.md has no command block that installs requirements.txt"
+    for advice in ("python3 -m venv", "--index-url https://download.pytorch.org/whl/cpu", "--isolated", "--retries",
+                   "--timeout", "cuda-bindings"):
+        assert advice in install[:first_command.start()], f"docs/install.md: say {advice!r} before its first command"
+
+
+def test_readme_front_page_has_two_commands_and_the_map_in_40_lines():
+    """Issue 41, item 11: the first command was at line 39, after 20 lines of pip advice, with a 778-character list of
+    accelerate calls at line 11 and the map at line 194. Now within the first 40 lines: the MNIST command, the
+    fine-tune a two-GPU owner came for, and the map of the repository; no line of prose (tables aside) runs past 300
+    characters."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    top = "\n".join(lines[:40])
+    commands = re.findall(r"^```bash\n(.*?)^```", top, re.M | re.S)
+    assert len(commands) == 2, commands
+    assert re.search(r"accelerate launch --config_file accelerate_configs/\S+\.yaml .*recipes/mnist\.py", commands[0])
+    assert re.search(r"accelerate launch --config_file accelerate_configs/2gpu\.yaml recipes/finetune_lm\.py",
+                     commands[1]) and "--model" in commands[1], commands[1]
+    the_map = re.search(r"^## The map\n\n```\n(.*?)^```", top, re.M | re.S)
+    assert the_map, "no map in the first 40 lines"
+    for place in ("recipes/", "recipes/runkit/", "accelerate_configs/", "cpu_route/", "launch/", "docs/", "tests/"):
+        assert re.search(rf"^{re.escape(place)}", the_map.group(1), re.M), place
+    text = [line for line in prose(README.read_text(encoding="utf-8")).splitlines() if not line.startswith("|")]
+    assert max(map(len, text)) <= 300, max(text, key=len)  # a table's row may be long: it is one entry
+
+
+def test_the_docs_recipe_lists_name_every_training_recipe():
+    """Issue 41, item 10: docs/checkpoints.md's and docs/measuring.md's "Every training recipe (...)" left out
+    finetune_lm: each such list names every recipe built on Run (the ones that import it)."""
+    training = {p.stem for p in (REPO / "recipes").glob("*.py") if re.search(r"^from runkit import .*\bRun\b",
+                                                                               p.read_text(), re.M)}
+    assert {"mnist", "gpt", "resnet", "linear_regression", "finetune_lm"} <= training, training
+    lists = [(path.name, set(re.findall(r"`(\w+)`", match)))
+             for path in markdown_files() for match in re.findall(r"[Ee]very training recipe \(([^)]*)\)",
+                                                                  path.read_text(encoding="utf-8"))]
+    assert len(lists) >= 2 and all(names == training for _, names in lists), lists
+
+
+def test_checkpoints_and_troubleshooting_agree_on_what_the_first_line_names():
+    """Issue 41, item 10: docs/checkpoints.md said the first line names the launcher's pid under accelerate launch,
+    docs/troubleshooting.md the stop command; the code (stopping.how_to_stop) names the command, which signals the
+    main process. Both pages now say the command, and neither says the launcher's pid is what the first line names."""
+    pages = {name: " ".join((DOCS / name).read_text(encoding="utf-8").split())
+             for name in ("checkpoints.md", "troubleshooting.md")}
+    said = "stop with a checkpoint: python3 recipes/runkit/stopping.py DIR"
+    for name, text in pages.items():
+        assert said in text.replace("`", ""), name
+        assert not re.search(r"launcher's pid \(the one the first line names\)", text), name
 
 
 def paragraphs(text):
