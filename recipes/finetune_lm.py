@@ -58,7 +58,7 @@ import sys
 from datetime import timedelta
 
 from finetune_data.examples import add_data_args
-from lora.adapters import add_lora_args
+from lora.adapters import add_lora_args, flags_without_rank
 from runkit import add_run_args
 from runkit.flags import DefaultOnce
 
@@ -99,7 +99,10 @@ def parse_args(argv=None):
                    help="seconds a collective waits for a missing rank (the others wait while the main process "
                         "tokenises) before the run fails")
     add_run_args(p, "finetune_lm", log_every=10)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if problem := flags_without_rank(args, sys.argv[1:] if argv is None else argv):
+        p.error(problem)  # decided from the flags alone: before anything is imported or loaded
+    return args
 
 
 if __name__ == "__main__":
@@ -119,7 +122,7 @@ from torch.utils.data import DataLoader
 
 from finetune_data.examples import IGNORE, DataProblem, cut_note, load_examples
 from finetune_data.packing import attention_implementation, block_causal_mask, blocks_note
-from lora.adapters import flags_without_rank, merge_adapters
+from lora.adapters import merge_adapters
 from pretrained.loading import load_config_and_tokenizer, load_model, zero3_lora_note
 from pretrained.weights import base_fingerprint, record_base
 from runkit import Run
@@ -291,8 +294,8 @@ def main(argv=None):
     run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm,
               default_output_dir=default_output_dir(args, accelerator))
     set_seed(args.seed)
-    if problem := error or flags_without_rank(args, sys.argv[1:] if argv is None else argv):
-        run.fail(problem)
+    if error:
+        run.fail(error)
     check_block_size(args, config, run)
     run.check_whole_model_fits(n_params)  # ZeRO-3 without zero3_init_flag loads it whole on every process
     data = load_data(args, run, accelerator, tokenizer)

@@ -251,7 +251,6 @@ def test_each_input_error_is_one_clear_message(finetune, hf, tmp_path):
         (["--model", "no-such-org/no-such-model"], offline, "cannot load model 'no-such-org/no-such-model'"),
         (["--block-size", "4096"], {}, "longer than"),
         (["--model", "./llama-8b"], offline, "--model './llama-8b': no such directory"),  # not "a malformed hub id"
-        (["--merge-lora"], {}, "--merge-lora acts on LoRA adapters, and without --lora-r this run is a full"),
         (["--model", planted["pickle"]], {}, "pytorch_model.bin holds a pickle that would run code"),
         (["--model", planted["raising-template"], "--data-files", str(hf / "chat.jsonl")], {},
          f"{hf / 'chat.jsonl'}, line 1: the chat template of {planted['raising-template']} fails on this conversation"),
@@ -550,13 +549,18 @@ def test_lora_prints_no_library_warning_before_the_first_line(hf):
     assert [str(w.message) for w in shown if issubclass(w.category, (FutureWarning, DeprecationWarning))] == []
 
 
-def test_lora_flags_without_a_rank_are_refused():
+def test_lora_flags_without_a_rank_are_refused(capsys):
     """Issue 35, item 8: TRL and torchtune build LoRA from the LoRA settings given; here the rank switches it on,
-    so a LoRA flag without --lora-r is refused rather than ignored (one message, tested end to end above)."""
+    so a LoRA flag without --lora-r is refused rather than ignored. Issue 41, item 3: decided from the flags alone,
+    it is refused as a flag error is, by the parser, before torch is imported (test_contract.py: no torch then)."""
     from finetune_lm import parse_args
     from lora.adapters import flags_without_rank
     for argv in (["--merge-lora"], ["--lora-dropout=0.1"], ["--lora-alpha", "32", "--lora-targets", "q_proj"]):
-        message = flags_without_rank(parse_args(argv), argv)
-        assert message and "add --lora-r" in message and argv[0].split("=")[0] in message
-    assert flags_without_rank(parse_args(["--lora-r", "4", "--merge-lora"]), ["--lora-r", "4", "--merge-lora"]) is None
+        with pytest.raises(SystemExit) as refused:
+            parse_args(argv)
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and err.count("\n") == 1, err
+        assert ": error: " in err and "add --lora-r" in err and argv[0].split("=")[0] in err  # prog: pytest here
+    args = parse_args(["--lora-r", "4", "--merge-lora"])
+    assert flags_without_rank(args, ["--lora-r", "4", "--merge-lora"]) is None
     assert flags_without_rank(parse_args([]), []) is None
