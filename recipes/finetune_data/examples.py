@@ -3,8 +3,9 @@
 Owns finetune_lm.py's data layer, behind one call, load_examples(), which returns the training blocks, the
 evaluated validation blocks, one held-out example for the greedy answer, the format, the source, the cut counts
 and the blocks' facts, and raises DataProblem, with one message for the user, for every problem with the data
-(no file, an unreadable source, a missing column, a value of the wrong kind, a chat without a template, too few
-examples, --no-packing on plain text):
+(no file, an unreadable source or JSON line, a missing column, a value of the wrong kind, a chat without a
+template, a template that raises or runs past TEMPLATE_SECONDS, chats without an assistant turn, too few examples,
+--no-packing on plain text); a problem of one record names its file and line:
 
   * the formats and how the columns choose one: chat (conversations of {role, content} turns, rendered with the
     tokenizer's chat template), pairs (prompt/response records) and text (plain text packed into blocks);
@@ -12,6 +13,7 @@ examples, --no-packing on plain text):
     tokens (from the template's {% generation %} markers, or else from rendering each conversation's prefixes),
     a pair its response and the end-of-sequence token; prompts and padding are IGNORE;
   * the examples --block-size cuts (their last response's end lost) and drops (nothing left to learn), counted;
+    a text is cut to the characters that can hold --block-size tokens before it is tokenised (enough_characters);
   * the held-out split, made on examples (the same on every rank, and the same examples evaluated whether they
     are then packed or padded), and the examples evaluated (eval_examples of them);
   * the blocks: pairs and chat packed several to a block, or padded one to a block (--no-packing), by packing.py.
