@@ -2,7 +2,7 @@
 ends in one line before transformers allocates or loads anything (recipes/pretrained/). Issue 46, item 4.
 
 Quick: each problem planted into a copy of tests/tiny_hf.py's model (tiny_hf.planted_copy) and read by the functions
-finetune_lm.py calls, in this process; custom code in a subprocess on a terminal, which answers "y" to any question.
+finetune_lm.py calls, in this process; custom code with a terminal that answers "y" to any question.
 The run that shows the line as the recipe prints it: test_finetune_lm.py's test_each_input_error_is_one_clear_message.
 Also LoRA's base: the fingerprint that tells one model's weights from another's (issue 41, item 2).
 """
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from launching import REPO, on_a_terminal
+from launching import REPO
 from tiny_hf import planted_copy, write_all, write_model, write_tokenizer
 
 sys.path.insert(0, str(REPO / "recipes"))
@@ -43,28 +43,20 @@ def test_each_weight_file_problem_is_one_line_before_anything_loads(tiny, tmp_pa
     assert load_config_and_tokenizer(str(tiny / "model"))[3] is None  # the untouched model passes
 
 
-# In a subprocess on a terminal, as a user runs the recipe: transformers asked "Do you wish to run the custom code?
-# [y/N]" there, and ran the directory's code after a "y".
-ON_A_TERMINAL = """
-import sys
-sys.path.insert(0, "recipes")
-from pretrained.loading import load_config_and_tokenizer
-print("RESULT", load_config_and_tokenizer(sys.argv[1])[3], flush=True)
-"""
-
-
-def test_a_model_directory_never_runs_its_code_even_after_a_yes(tiny, tmp_path):
-    """Issue 46, item 5: tokenizer_config.json's auto_map naming the directory's own evil.py made transformers ask on
-    stdin, and a "y" ran it. trust_remote_code=False is given to every transformers call: no question, one line, and
-    the code never ran (it would have written the marker file)."""
+def test_a_model_directory_never_runs_its_code_even_after_a_yes(tiny, tmp_path, monkeypatch):
+    """Issue 46, item 5: tokenizer_config.json's auto_map naming the directory's own evil.py made transformers ask
+    "Do you wish to run the custom code? [y/N]" on the terminal, and a "y" ran it. trust_remote_code=False is given
+    to every transformers call: here a terminal that answers "y" to any question is never asked, the code never ran
+    (it would have written the marker file), and the refusal is one line."""
+    import builtins
     marker = tmp_path / "ran"
     model = planted_copy(tiny / "model", tmp_path / "remote-code", "remote-code", marker=marker)
-    code, output = on_a_terminal([sys.executable, "-c", ON_A_TERMINAL, str(model)], answer=b"y\n", timeout=120)
-    assert code == 0 and not marker.exists(), output[-3000:]
-    assert "custom code? [y/N]" not in output, output[-3000:]
-    result = next(line for line in output.splitlines() if line.startswith("RESULT "))
-    assert result.startswith(f"RESULT --model {model}: it asks to run its own code (auto_map in config.json or "
-                             f"tokenizer_config.json), which this recipe never does"), result
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda prompt="": asked.append(prompt) or "y")
+    error = load_config_and_tokenizer(str(model))[3]
+    assert asked == [] and not marker.exists(), asked
+    assert error.startswith(f"--model {model}: it asks to run its own code (auto_map in config.json or "
+                            f"tokenizer_config.json), which this recipe never does"), error
 
 
 def test_the_fingerprint_tells_two_models_apart_and_an_adapter_checks_its_base(tiny, tmp_path):

@@ -90,18 +90,23 @@ def test_the_pair_is_self_contained_plain_pytorch():
     assert "accelerate" not in TORCH_ONLY.read_text().split('"""', 2)[2], "torch_only.py's code mentions accelerate"
 
 
-def test_offline_without_mnist_is_one_line(tmp_path):
+def test_offline_without_mnist_is_one_line(tmp_path, monkeypatch, capsys):
     """Issue 41, item 10: offline, with no MNIST in --data-dir, the quickstart ended in torchvision's traceback.
-    Now one line that says what to do, exit 2, nothing written but the empty folder torchvision makes. Offline for
-    certain: every download goes through a proxy that refuses connections."""
+    Now one line that says what to do, and exit 2. Run as `python torch_only.py` runs it (runpy, as __main__), in
+    this process; offline for certain: every download goes through a proxy that refuses connections."""
+    import runpy
+    import sys
     closed = f"http://127.0.0.1:{free_port()}"
-    returncode, output = run_command(["python", str(TORCH_ONLY), "--data-dir", str(tmp_path / "data"), "--epochs", "0"],
-                                     env={"http_proxy": closed, "https_proxy": closed, "no_proxy": ""}, timeout=300)
-    lines = output.strip().splitlines()
-    assert returncode == 2 and len(lines) == 1, output[-3000:]
-    assert lines[0].startswith(f"error: MNIST is not in {tmp_path / 'data'}/MNIST/raw and could not be downloaded"), \
-        lines
-    assert "python recipes/synthetic_data/mnist.py data/synthetic, then --data-dir data/synthetic" in lines[0]
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, closed)
+    monkeypatch.setenv("no_proxy", "")
+    monkeypatch.setattr(sys, "argv", [str(TORCH_ONLY), "--data-dir", str(tmp_path / "data"), "--epochs", "0"])
+    with pytest.raises(SystemExit) as ended:
+        runpy.run_path(str(TORCH_ONLY), run_name="__main__")
+    out, err = capsys.readouterr()
+    assert ended.value.code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: MNIST is not in {tmp_path / 'data'}/MNIST/raw and could not be downloaded"), err
+    assert "python recipes/synthetic_data/mnist.py data/synthetic, then --data-dir data/synthetic" in err
 
 
 def epoch_lines(output):
