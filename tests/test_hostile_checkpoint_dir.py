@@ -798,8 +798,9 @@ def test_another_users_checkpoint_given_by_path_is_one_error(written, data_dir, 
 def test_results_go_where_this_run_says_not_where_a_manifest_says(written, data_dir, tmp_path):
     """The documented requeue (the same command, no --output-dir), on a directory whose newest checkpoint's manifest
     names `ckpt/.results/$(id>>PWNED)` as its output directory (no checksum changes: the manifest is not hashed),
-    beside more planted entries: a checkpoint recording a 20 GiB optimizer.bin (a sparse file), and 100 step
-    directories whose checkpoint.json is one 5 MB file hard-linked into each (10 of the 101 plants are named, the
+    beside more planted entries: a step-99999999 holding a manifest of another recipe (it made every run exit 2),
+    a checkpoint recording a 20 GiB optimizer.bin (a sparse file), and 100 step
+    directories whose checkpoint.json is one 5 MB file hard-linked into each (10 of the 102 plants are named, the
     rest counted). The results go to the recipe's default directory, where the run's own run.json is; summary.json
     there, planted as a link to a file outside, is replaced, never written through; nothing carries the manifest's
     string; the big files are never hashed nor parsed."""
@@ -817,6 +818,10 @@ def test_results_go_where_this_run_says_not_where_a_manifest_says(written, data_
     with open(sparse / "optimizer.bin", "r+b") as f:
         f.truncate(20 << 30)
     edit(sparse, lambda m: m["files"]["optimizer.bin"].update(size=20 << 30))
+    other = ckpt / "step-99999999"  # one mkdir and a manifest of another recipe: skipped, not a refusal of the run
+    other.mkdir()
+    (other / "checkpoint.json").write_text(json.dumps({**json.loads(
+        (written / "step-00000008" / "checkpoint.json").read_text()), "recipe": "gpt", "files": {}}))
     big = tmp_path / "big.json"
     big.write_text(json.dumps({"pad": "x" * (5 << 20)}))
     for step in range(100, 200):
@@ -835,8 +840,9 @@ def test_results_go_where_this_run_says_not_where_a_manifest_says(written, data_
     assert f"resumed from {Path('ckpt') / 'step-00000004'} (step 4" in output
     one_line(output, "warning", "skipping checkpoint ckpt/step-00000500: its checkpoint.json records 21.5 GB of files, "
                                 "more than a checkpoint of this model holds")
+    one_line(output, "warning", "skipping checkpoint ckpt/step-99999999: checkpoint.json does not list")
     one_line(output, "warning", "skipping checkpoint ckpt/step-00000199: checkpoint.json is over 4 MB")
-    one_line(output, "warning", "skipping checkpoint 91 more entries in ckpt (the first 10 are named above)")
+    one_line(output, "warning", "skipping checkpoint 92 more entries in ckpt (the first 10 are named above)")
     assert bashrc.read_bytes() == SECRET and not (results / "summary.json").is_symlink()
     summary = json.loads((results / "summary.json").read_text())
     assert summary["output_dir"] == "runs/mnist/1proc" and "$(" not in (results / "summary.json").read_text()

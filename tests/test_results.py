@@ -27,7 +27,7 @@ def test_only_this_recipes_own_default_form_is_taken_from_a_checkpoint(tmp_path,
     <plain name>, no link on the way; an absolute path, '..', a shell expansion or a link is not."""
     monkeypatch.chdir(tmp_path)
     assert results.default_form("runs/mnist/ddp-2proc-2", "mnist")
-    for recorded in ("/home/victim/runs/mnist/1proc", "runs/mnist/../../x", "runs/mnist/$(id>>PWNED)",
+    for recorded in ("/home/victim/runs/mnist/1proc", "/dev/null", "runs/mnist/../../x", "runs/mnist/$(id>>PWNED)",
                      "runs/gpt/1proc", "ckpt/.results/x", "runs/mnist/a/b", "", None, 7):
         assert not results.default_form(recorded, "mnist"), recorded
     (tmp_path / "elsewhere").mkdir()

@@ -101,7 +101,8 @@ def peek(directory, resume):
     """Main process: (path, manifest) of the checkpoint --resume would take, from manifests and sizes alone (the
     newest of this user's step-* that holds exactly the files its manifest lists; or the one --resume names), or
     None. The checksums and the checks that need the model come once it is built; what is passed over here is named
-    then."""
+    then. It decides nothing for good: the start-up refusal of another recipe's or engine's checkpoint, and where
+    the results go (run.py), which choose() confirms."""
     root = directory if resume == "auto" else resume
     if not root:
         return None
@@ -111,9 +112,13 @@ def peek(directory, resume):
         paths = [path for _, path in own_steps(root, None)]
     for path in paths:
         try:
-            return path, read_manifest(path, contents=path != resume)
+            manifest = read_manifest(path, contents=path != resume)
         except (OSError, ValueError):
             continue
+        # The files a save of its layout writes (a recipe of one model, optimizer and scheduler): a planted
+        # manifest listing none is passed over here, and named when the run chooses.
+        if path == resume or not files_problem(manifest):
+            return path, manifest
     return None
 
 
