@@ -358,6 +358,36 @@ def test_single_process_exit_code_on_stop(data_dir, tmp_path, checkpoints, code)
 
 
 @pytest.mark.slow
+def test_ctrl_c_is_one_line_naming_the_checkpoint_to_resume(data_dir, tmp_path):
+    """Ctrl-C (SIGINT) in `python recipes/mnist.py` once a checkpoint exists: no traceback, one line naming that
+    checkpoint, exit 130 (it printed a KeyboardInterrupt traceback and named nothing)."""
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "recipes/mnist.py", "--data", "synthetic", "--data-dir", str(data_dir), *DATA_ARGS,
+           "--output-dir", str(tmp_path / "out"), "--checkpoint-dir", str(ckpt), "--epochs", "50",
+           "--checkpoint-every", "2", "--log-every", "1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("checkpoint saved: "):
+                saved = line.split()[2]
+                break
+        proc.send_signal(signal.SIGINT)
+        output = "".join(seen) + proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    line = [x for x in output.splitlines() if x.startswith("interrupted (Ctrl-C) at step ")]
+    assert len(line) == 1 and "nothing more is saved; the newest checkpoint is " in line[0], output[-3000:]
+    newest = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))[-1]
+    assert line[0].split("the newest checkpoint is ")[1].startswith(f"{ckpt / newest}: run the same command again")
+    assert saved.startswith(str(ckpt))
+
+
+@pytest.mark.slow
 def test_a_stop_while_data_loads_ends_the_run_at_once(data_dir, tmp_path):
     """SIGTERM while the run reads its data, before its first step (the test shim holds MNIST's loading for 300 s):
     nothing to save, so the run ends at once with one line and exit 75, its lock released (it remembered the signal
@@ -443,15 +473,17 @@ def test_kill_during_save_keeps_previous_checkpoint(start, launch, reference, tm
     for pid in run.leftovers():  # the whole run at once, as a node failure would
         os.kill(pid, signal.SIGKILL)
     run.finish(deadline=60)
-    # The lock of the killed run stays behind; its holder is dead, so the next run takes it over.
-    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", ".tmp-step-00000010", "step-00000005"]
+    # The lock of the killed run stays behind; its holder is dead, so the next run takes it over. The save in
+    # progress is .tmp-step-00000010.XXXXXXXX, a name of its own.
+    (unfinished,) = [p.name for p in ckpt.glob(".tmp-step-00000010.*")]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", unfinished, "step-00000005"]
 
     resumed = launch("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt), launch_args=FP32)
-    assert f"removing {ckpt / '.tmp-step-00000010'}: a save that never finished" in resumed.output
+    assert f"removing {ckpt / unfinished}: a save that never finished" in resumed.output
     assert f"taking over {ckpt / '.lock'}: its holder, pid" in resumed.output
     assert f"resumed from {ckpt / 'step-00000005'}" in resumed.output
     assert_identical_params(ref.params(), resumed.params())
-    assert not (ckpt / ".tmp-step-00000010").exists()  # replaced by the complete step 10
+    assert not (ckpt / unfinished).exists() and (ckpt / "step-00000010").is_dir()  # the complete step 10
     assert not (ckpt / ".lock").exists()  # released at the end
 
 
@@ -472,7 +504,8 @@ def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, lau
     assert second.returncode == 1, second.output[-3000:]
     assert f"--checkpoint-dir {ckpt} is in use by pid {holder['pid']} on {holder['host']}" in second.output
     assert run.proc.poll() is None  # the holder trains on, its directory untouched
-    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", ".tmp-step-00000010", "step-00000005"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", *[p.name for p in ckpt.glob(".tmp-step-00000010.*")],
+                                                      "step-00000005"] and list(ckpt.glob(".tmp-step-00000010.*"))
 
     os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone
     end = time.monotonic() + 30

@@ -171,7 +171,7 @@ class Checkpointer:
         self.must_match, self.model, self.lock, self.recipe = must_match, model, lock, recipe
         self.layout = layout(accelerator)
         self.reshaped = []  # what the resume changed (world size, --grad-accum) and the rules that applied
-        self.last_saved_step = None
+        self.last_saved_step, self.newest = None, None  # the newest checkpoint this run wrote or resumed: its path
         self.left_alone = set()  # step-* entries rotation left alone, each reported once
         self.passed = Passed("skipping checkpoint")  # entries not used: another user's, damaged; each named once
         # What a checkpoint of this model can hold (its files' recorded sizes together): 40 bytes per parameter
@@ -220,7 +220,7 @@ class Checkpointer:
         final = self._publish(tmp, final, made, shares, {
             "step": step, "layout": self.layout, "must_match": self.must_match, "train_state": train_state,
             **({"recipe": self.recipe} if self.recipe else {})})
-        self.last_saved_step = step
+        self.last_saved_step, self.newest = step, final
         self.verified.add(final)
         self._count_save(final, started, written)
         if acc.is_main_process and self.keep_last:
@@ -514,7 +514,7 @@ class Checkpointer:
         acc = self.accelerator
         set_micro_batch_counter(acc, manifest["step"])
         self.times["resume_load_s"] = time.perf_counter() - started
-        self.last_saved_step = manifest["step"]
+        self.last_saved_step, self.newest = manifest["step"], path
         self.reshaped = reshaped(manifest, self.layout)
         replaced = self.held.replaced() if acc.is_main_process else []
         self.held.close()

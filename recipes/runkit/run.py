@@ -247,6 +247,7 @@ class Run:
         self.trained_at = None  # when the last step ended: what follows it is timed by part (end_of_run)
         self.end_of_run = {"evaluation_s": 0.0, "checkpoint_s": 0.0}
         self.stopper.begin()  # a stop signal from here on saves a checkpoint; before, it ended the run at once
+        self.stopper.on_interrupt(lambda: (self.state["step"], self.checkpointer.newest))
 
     def _first_line(self, optimizer, describe):
         """What runs, on what, how far, and the command that stops it."""

@@ -176,6 +176,22 @@ class GracefulStop:
         """Training begins: from here on a stop signal is remembered, and the ranks stop after the same step."""
         self.training = True
 
+    def on_interrupt(self, newest):
+        """Ctrl-C (SIGINT, not a stop signal: nothing is saved) ends the process with one line instead of a
+        traceback per process: newest() gives (step, the newest checkpoint's path or None) for it. A second Ctrl-C
+        kills at once. Under torchrun the workers run in sessions of their own: only the launcher gets it, and
+        sends them SIGTERM, a stop signal."""
+        def interrupted(signum, frame):
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            step, path = newest()
+            if os.environ.get("RANK", "0") == "0":
+                kept = (f"the newest checkpoint is {path}: run the same command again to resume from it" if path
+                        else "no checkpoint was saved" + ("" if self.checkpoint_dir else " (no --checkpoint-dir)"))
+                print(f"\ninterrupted (Ctrl-C) at step {step}: nothing more is saved; {kept} (SIGTERM or SIGUSR1 "
+                      f"stop with a checkpoint)", file=sys.stderr, flush=True)
+            raise SystemExit(130)
+        signal.signal(signal.SIGINT, interrupted)
+
     def ignore_from_now(self):
         """The training is over: a stop signal now (a time-limit timer firing late) must not kill the
         process while it writes its results. Python resets its own handlers to the default action at
