@@ -45,6 +45,7 @@ from pathlib import Path
 
 import benchmark
 from benchmark import REPO
+from gpu_wheels import one_line_errors
 
 # The fine-tune parts' recipe arguments: the 1B shape and the chats written here, blocks of 1024, global batch 8
 # (issue "Fine-tune at H100 speed"). --packing / --no-packing: recipes/finetune_lm.py's flag (that issue, item 1).
@@ -476,6 +477,7 @@ class Table:
                 self.progress["statuses"][part.folder] = f"not built yet: {part.missing}"
         self.failures = []
         out.mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
 
     def ended(self, folder, status, seconds):
         """A part's end: its status, its time, its failed runs' log tails; then the files."""
@@ -635,7 +637,7 @@ def parse_args(argv=None):
                         "bench/results/<date>-<gpu>)")
     p.add_argument("--work", default=str(WORK), help="the parts' reports, logs, runs and inputs")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
-    return p.parse_args(argv)
+    return one_line_errors(p).parse_args(argv)
 
 
 def main(argv=None):
