@@ -5,11 +5,11 @@ time budget, everything kept as it comes (issue 42).
     bash bench/gpu_pack.sh --dry-run             # anywhere, CUDA or not: the plan, the budget split and the order
     bash bench/gpu_pack.sh pack                  # one phase alone (or: table), with the whole budget
 
-Owns the order, the budget split and the supervision of the two phases:
+Owns the order, the budget split and the supervision of the three phases:
   1. the install (bench/gpu_wheels.py): prebuilt wheels from .gpu/w, no index, every import checked; a missing
      wheel or import is named in one line and the call exits 2 before anything runs;
   2. the pack: `pytest tests/test_gpu.py -m gpu` (that file alone: each xdist worker collects nothing else, and no
-     other module's import can abort it) on PACK_WORKERS workers sharing the GPU, the cores shared among their
+     other module's import can abort it) on 8 workers ($PACK_WORKERS) sharing the GPU, the cores shared among their
      inductor workers; capped at PACK_SHARE of the budget (PACK_MIN_S..PACK_MAX_S), each launch at what is left of
      the cap after the workers' start (a hung launch fails its test, not the pack); at the cap pytest gets SIGINT,
      then SIGKILL. bench/pack_report.py records each test as it ends, so what was not reached is known;
@@ -19,8 +19,9 @@ A lower budget shortens the table (its last parts are listed as not reached) ins
 phase starts carries a mark in its environment: whatever outlives its phase is ended by it (kill_marked).
 Writes into $OUT (a device call's folder that comes back; at most 8 files), else bench/results/<date>-gpu-call/:
 README.md (the plan, the budget, the install, the pack; rewritten after each phase), pack.log, pack.jsonl,
-table.md, table.json, failures.log. At the end it prints README.md and table.md (a device call returns the last
-12 kB of output: enough for both).
+table.md, table.json, failures.log. Its output is a line per phase and the table's lines, which end with table.md
+(a device call returns the last 12 kB of output). Exit 2: no CUDA, or the install refused (one line); 1: a pack test
+failed or was not reached, or a table part failed (parts the budget did not reach are listed, not failed); else 0.
 """
 
 import argparse
@@ -184,7 +185,7 @@ def run_install(call, wheels, python):
 
 
 def run_pack(call, split, python):
-    """The pack (module docstring, 2); returns whether every test it reached passed and none was left."""
+    """The pack (module docstring, 2); returns whether every test passed (or was skipped) and none was left."""
     cores = os.cpu_count() or 2
     workers = pack_workers(cores)
     record = call.out / "pack.jsonl"
@@ -196,15 +197,17 @@ def run_pack(call, split, python):
     code, stopped = supervise(pack_command(workers, python), env, split["pack"], signal.SIGINT, call.out / "pack.log")
     summary = pack_summary(record)
     call.say("pack", pack_lines(summary, code, stopped, time.monotonic() - begun, workers))
-    return code == 0 and not stopped and not summary["not_reached"]
+    return code == 0 and not stopped and not summary["not_reached"] and bool(summary["collected"])
 
 
-def run_table(call, seconds, python):
-    """The table in `seconds` (it stops itself; SIGTERM if it overruns); returns whether it ended complete."""
+def run_table(call, seconds, python, parts=None):
+    """The table in `seconds` (it stops itself; SIGTERM if it overruns); returns whether no part failed (parts the
+    budget did not reach are listed, not failed)."""
     if seconds < TABLE_MIN_S:
-        call.say("table", [f"table: not run: {seconds:.0f} s of the budget left"])
-        return False
-    cmd = [python, str(REPO / "bench" / "gpu_table.py"), "--budget-s", f"{seconds:.0f}", "--out", str(call.out)]
+        call.say("table", [f"table: not reached: {seconds:.0f} s of the budget left"])
+        return True
+    cmd = [python, str(REPO / "bench" / "gpu_table.py"), "--budget-s", f"{seconds:.0f}", "--out", str(call.out),
+           *(["--parts", *parts] if parts else [])]
     begun = time.monotonic()
     code, stopped = supervise(cmd, OFFLINE, seconds + STOP_GRACE_S, signal.SIGTERM)
     call.say("table", [f"table: {'stopped past its budget' if stopped else f'exit {code}'} after "
@@ -228,7 +231,7 @@ def dry_run(args, python):
              budget_line(split), "order:", f"  1. install: {wheels}; then import {', '.join(gpu_wheels.IMPORTS)}",
              f"  2. pack ({pack}): python3 {command} (here {cores} cores: {pack_workers(cores)} workers; 16 cores: "
              f"{pack_workers(16)})", f"  3. table ({table}):",
-             *(f"  {line}" for line in gpu_table.plan_lines(gpu_table.PARTS, split["table"])),
+             *(f"  {line}" for line in gpu_table.plan_lines(args.selected, split["table"])),
              f"output: {args.out}: README.md, pack.log, pack.jsonl, table.md, table.json, failures.log"]
     print("\n".join(f"gpu call: {line}" for line in lines))
     return 0
@@ -240,11 +243,17 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="seconds for the whole call, install included (give the device call's limit less a minute)")
     p.add_argument("--only", choices=["pack", "table"], default=None, help="one phase, with the whole budget")
+    p.add_argument("--parts", nargs="+", default=None,
+                   help="the table's parts to run (default: all; bench/gpu_table.py PARTS), in PARTS' order")
     p.add_argument("--dry-run", action="store_true", help="print the plan, the budget split and the order; run nothing")
     p.add_argument("--wheels", type=Path, default=gpu_wheels.WHEELS, help="the carried wheels (default .gpu/w)")
     p.add_argument("--out", type=Path, default=None,
                    help="default: $OUT where set, else bench/results/<date>-gpu-call")
     args = gpu_wheels.one_line_errors(p).parse_args(argv)
+    try:
+        args.selected = gpu_table.selected(args.parts)
+    except ValueError as exc:
+        p.error(f"--parts: {exc}")
     args.out = (args.out or Path(os.environ.get("OUT") or REPO / "bench" / "results" /
                                  f"{time.strftime('%Y-%m-%d')}-gpu-call")).resolve()
     return args
@@ -270,10 +279,11 @@ def main(argv=None):
     if split["pack"]:
         complete = run_pack(call, split, python)
     if args.only != "pack":
-        complete = run_table(call, args.budget_s - END_S - (time.monotonic() - started), python) and complete
-    for name in ("README.md", "table.md"):
-        if (call.out / name).exists():
-            print((call.out / name).read_text())
+        complete = run_table(call, args.budget_s - END_S - (time.monotonic() - started), python,
+                             args.parts) and complete
+    call.say("end", [f"end after {time.monotonic() - started:.0f} s of {args.budget_s:.0f}: "
+                     f"{'nothing failed' if complete else 'a test failed or was not reached, or a table part failed'}"
+                     f"; the files are in {call.out}"])
     return 0 if complete else 1
 
 
