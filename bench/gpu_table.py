@@ -142,6 +142,17 @@ def stages(parts):
             for name, first in (("fine-tune", True), ("the rest", False)) if any(p.first == first for p in parts)]
 
 
+def reachable(parts, left_s):
+    """The parts of a stage whose warm-up is worth its time: in order, those the estimates say can start with
+    START_SHARE of their time left after the ones before them."""
+    out, at = [], 0.0
+    for part in parts:
+        if not part.missing and left_s - at >= START_SHARE * part.expected_s:
+            out.append(part)
+            at += part.expected_s
+    return out
+
+
 def part_argv(part, peak_tflops, inputs, gpus, leave_out=()):
     """bench/benchmark.py's arguments for one part on this machine: the inputs filled in, MFU's peak for the
     recipes that report MFU, with one GPU no CONFIG+VARIANT (see the module docstring), and without the configs
@@ -524,8 +535,7 @@ def plan_lines(parts, budget_s):
              "measured yet)", f"  {'inputs':<44} ~{INPUTS_S:>3.0f} s  (until {INPUTS_S:.0f} s)"]
     at, number = INPUTS_S, 0
     for stage, members in stages(parts):
-        ready = [p for p in members if not p.missing]
-        warm = [p for p in ready if p.warm_gb and budget_s - at >= START_SHARE * p.expected_s]
+        warm = [p for p in reachable(members, budget_s - at) if p.warm_gb]
         if warm:
             seconds = min(max(max(p.warm_s for p in warm), sum(p.warm_s for p in warm) / WARM_AT_ONCE),
                           WARM_SHARE * (budget_s - at))
@@ -547,11 +557,11 @@ def plan_lines(parts, budget_s):
 def run_stage(stage, members, table, commands, deadline, no_warm):
     """One stage: the warm-ups of the parts the budget may reach, then each part in turn (module docstring)."""
     left = deadline - time.monotonic()
-    reachable = [(p, cmd) for p, cmd in commands if p in members and left >= START_SHARE * p.expected_s]
+    warm = [(p, cmd) for p, cmd in commands if p in reachable(members, left) and p.warm_gb]
     warmed = {}
-    if not no_warm and any(p.warm_gb for p, _ in reachable):
+    if not no_warm and warm:
         begun = time.monotonic()
-        warmed = warm_phase([(p.folder, cmd) for p, cmd in reachable], [p for p, _ in reachable], table.work,
+        warmed = warm_phase([(p.folder, cmd) for p, cmd in warm], [p for p, _ in warm], table.work,
                             table.progress["gpus"], WARM_SHARE * left)
         table.progress["timings"][f"warm-up ({stage})"] = time.monotonic() - begun
         table.warmed(warmed, table.work / "warm" / "logs")

@@ -187,6 +187,13 @@ def test_parts_run_the_fine_tunes_first():
     assert [p.folder for p in gpu_table.PARTS][:len(first)] == first
     assert [name for name, _ in gpu_table.stages(gpu_table.selected(["mnist", "finetune-padded"]))] == \
         ["fine-tune", "the rest"]
+    # what the budget reaches by the estimates, in order (a warm-up for a part never reached would waste it)
+    parts = {p.folder: p for p in gpu_table.PARTS}
+    assert [p.folder for p in gpu_table.reachable(gpu_table.stages(gpu_table.PARTS)[0][1], 200)] == [
+        "finetune-full", "finetune-lora", "finetune-padded"]  # 90 + 80 + 35 s; ZeRO-3 LoRA's 60 s would not start
+    # a compiled run whose warm-up did not end is left out of its part's command
+    argv = gpu_table.part_argv(parts["finetune-full"], 989.0, {}, 1, leave_out=("1gpu_compile.yaml",))
+    assert argv[argv.index("--configs") + 1:argv.index("--steps")] == ["1gpu.yaml"]
 
 
 STAND_IN = """
@@ -243,7 +250,7 @@ def test_table_writes_each_part_as_it_ends_and_lists_what_it_did_not_reach(tmp_p
                                      "finetune-full"], budget_s=4.0)  # gpt waits for it: a few seconds
     assert gpu_table.gpu_table(args) == 1
     assert (tmp_path / "ran.txt").read_text().split() == ["finetune-full", "finetune-padded", "gpt"]
-    assert warmed == [["finetune-full", "finetune-padded"], ["gpt", "mnist", "fsdp-units"]]
+    assert warmed == [["finetune-full"], ["gpt"]]  # in each stage the first (the estimates reach no more)
     assert ("finetune-full", ("1gpu_compile.yaml",)) in built  # its unwarmed compiled run left out
     seen = json.loads((tmp_path / "seen.json").read_text())  # what finetune-padded found when it started
     assert seen["statuses"]["finetune-full"].startswith("done") and "finetune-full" in seen["parts"]
