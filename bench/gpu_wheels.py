@@ -9,8 +9,9 @@ Owns CARRY (what the GPU pack and table import that the machine's image lacks), 
     built here from its source package with no op prebuilt (its setup.py then needs no CUDA toolkit; the ops
     compile on first use, and the pack and the table use none), then the carried wheels' requirements followed:
     each is carried (fetched at the version the requirement allows) or in the image (and met by its version where
-    the list gives one), or preparation stops naming it; `import deepspeed` is tried with no compiler on PATH;
-    the working tree with the wheels must stay under what travels with it (64 MiB);
+    the list gives one), or preparation stops naming it; pip checks that each wheel installs on the image's Python
+    (its tags); `import deepspeed` is tried with no compiler on PATH; the working tree with the wheels must stay
+    under what travels with it (64 MiB). .gpu/w is replaced only when every check passed;
   * install: one wheel per distribution of CARRY, else one line naming the missing one and exit 2; pip installs
     them with no index and no dependency resolution; then every module of IMPORTS is imported in a fresh
     interpreter, and one that fails is named in one line with the module it lacked (exit 2). Requirements the
@@ -140,21 +141,24 @@ def closure(metadata, carry, image):
 
 # ---- prepare (where pip works) ---------------------------------------------------------------------------------
 def pip(*args, env=None):
-    cmd = [sys.executable, "-m", "pip", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
+    """python -m pip ARGS; Refused with pip's last error line, naming what it was asked for (the last argument)."""
+    proc = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True,
+                          env=dict(os.environ, **(env or {})))
     if proc.returncode:
         errors = [line for line in proc.stderr.splitlines() if "WARNING" not in line and line.strip()]
-        raise Refused(f"pip {args[0]} {' '.join(a for a in args if not a.startswith('-'))[:200]} failed: "
-                      f"{errors[-1] if errors else proc.returncode}")
+        raise Refused(f"pip {args[0]} {Path(args[-1]).name} failed: {errors[-1] if errors else proc.returncode}")
+
+
+def target_flags():
+    """pip's flags for the image's interpreter: CPython 3.12 on x86-64 Linux (any manylinux up to glibc 2.39)."""
+    return ["--only-binary=:all:", "--python-version", PYTHON, "--implementation", "cp", "--abi",
+            f"cp{PYTHON.replace('.', '')}", *(arg for p in PLATFORMS for arg in ("--platform", p)), "--platform", "any"]
 
 
 def fetch(name, spec, dest):
     """One distribution into dest: its wheel for the image, or for BUILT_HERE its source package built here."""
     if name not in BUILT_HERE:
-        platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-        pip("download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON, "--implementation",
-            "cp", "--abi", f"cp{PYTHON.replace('.', '')}", *platforms, "--platform", "any", "-d", str(dest),
-            f"{name}{spec}")
+        pip("download", "-q", "--no-deps", *target_flags(), "-d", str(dest), f"{name}{spec}")
         return
     with tempfile.TemporaryDirectory() as src:
         pip("download", "-q", "--no-deps", "--no-binary=:all:", "-d", src, f"{name}{spec}")
@@ -191,11 +195,34 @@ def tree_bytes():
 
 
 def prepare(wheels=WHEELS, carry=None, image_path=IMAGE):
-    """Build `wheels` afresh (module docstring); returns the report's lines. Raises Refused."""
+    """Build `wheels` afresh (module docstring), in a sibling folder that replaces it once every check passed (and
+    is removed if one fails); returns the report's lines. Raises Refused."""
     carry, image = CARRY if carry is None else carry, read_image(image_path)
     new = wheels.with_name(wheels.name + ".new")
     shutil.rmtree(new, ignore_errors=True)
     new.mkdir(parents=True)
+    try:
+        count, unchecked = build(new, carry, image)
+        size = sum(p.stat().st_size for p in new.glob("*.whl"))
+        tree = tree_bytes()  # .gpu/ is ignored: the wheels are not in it
+        if tree + size >= TRAVEL_LIMIT:
+            raise Refused(f"the wheels ({size / 2**20:.1f} MiB) and the working tree ({tree / 2**20:.1f} MiB) exceed "
+                          f"the {TRAVEL_LIMIT / 2**20:.0f} MiB a device call takes along: carry less")
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    shutil.rmtree(wheels, ignore_errors=True)
+    new.rename(wheels)
+    return [*(f"  {p.name}  {p.stat().st_size / 2**20:.2f} MiB" for p in sorted(wheels.glob("*.whl"))),
+            f"{wheels.relative_to(REPO) if wheels.is_relative_to(REPO) else wheels}: {count} wheels, "
+            f"{size / 2**20:.1f} MiB; with the working tree ({tree / 2**20:.1f} MiB) {(tree + size) / 2**20:.1f} of "
+            f"the {TRAVEL_LIMIT / 2**20:.0f} MiB that travel", *(f"  unchecked here: {u}" for u in unchecked)]
+
+
+def build(new, carry, image):
+    """CARRY's pinned wheels into `new`, then what their requirements add, until closure() asks for nothing more;
+    then pip's own check that each installs on the image's Python, and DeepSpeed's import without a compiler.
+    Returns (how many wheels, the requirements left to the machine's check)."""
     for name, version in carry.items():
         if version:
             fetch(canonical(name), f"=={version}", new)
@@ -214,18 +241,11 @@ def prepare(wheels=WHEELS, carry=None, image_path=IMAGE):
     problems += [f"CARRY names {n}, but no carried wheel needs it and it has no version to fetch" for n in missing]
     if problems:
         raise Refused("; ".join(problems))
+    with tempfile.TemporaryDirectory() as tmp:
+        pip("install", "--dry-run", "-q", "--no-index", "--no-deps", *target_flags(), "--target", tmp,
+            *map(str, sorted(new.glob("*.whl"))))
     check_import_without_compiler(next(new.glob("deepspeed-*.whl")))
-    size = sum(p.stat().st_size for p in new.glob("*.whl"))
-    tree = tree_bytes()  # .gpu/ is ignored: the wheels are not in it
-    if tree + size >= TRAVEL_LIMIT:
-        raise Refused(f"the wheels ({size / 2**20:.1f} MiB) and the working tree ({tree / 2**20:.1f} MiB) exceed "
-                      f"the {TRAVEL_LIMIT / 2**20:.0f} MiB a device call takes along: carry less")
-    shutil.rmtree(wheels, ignore_errors=True)
-    new.rename(wheels)
-    return [*(f"  {p.name}  {p.stat().st_size / 2**20:.2f} MiB" for p in sorted(wheels.glob("*.whl"))),
-            f"{wheels.relative_to(REPO) if wheels.is_relative_to(REPO) else wheels}: {len(metadata)} wheels, "
-            f"{size / 2**20:.1f} MiB; with the working tree ({tree / 2**20:.1f} MiB) {(tree + size) / 2**20:.1f} of "
-            f"the {TRAVEL_LIMIT / 2**20:.0f} MiB that travel", *(f"  unchecked here: {u}" for u in unchecked)]
+    return len(metadata), unchecked
 
 
 # ---- install (on the GPU machine) ------------------------------------------------------------------------------
