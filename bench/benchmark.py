@@ -7,7 +7,7 @@
     python bench/benchmark.py --recipe gpt --preset 124M --mixed-precision bf16 --configs 1gpu_compile.yaml
     python bench/benchmark.py --recipe finetune_lm --configs 1gpu.yaml --batch-size 8 \
         --recipe-args "--model my-llama --data-files chat.jsonl --block-size 1024"
-    python bench/benchmark.py --gpu-table                      # on a GPU: the GPU table (bench/gpu_table.py)
+    python bench/benchmark.py --gpu-table                      # on a GPU: python bench/gpu_table.py (its flags)
 
 Every run has the same global batch, seed, step count and precision (--mixed-precision, fp32 by
 default, like the baselines). On a machine with GPUs every run uses all of them; without, it runs
@@ -95,17 +95,6 @@ def parse_args(argv=None):
     p.add_argument("--num-processes", type=int, default=0, help="0: every GPU here, or 2 CPU processes")
     p.add_argument("--data-dir", default="data", help="mnist: where MNIST or the synthetic digits live")
     p.add_argument("--out", default="bench/results", help="report folder")
-    p.add_argument("--gpu-table", action="store_true",
-                   help="the GPU table (bench/gpu_table.py PARTS) into OUT/<date>-<gpu>/; the other flags but --out "
-                        "and the four below are ignored")
-    p.add_argument("--peak-tflops", type=float, default=0.0,
-                   help="--gpu-table: the GPU's dense bf16 peak for MFU (0: from the device's name, PEAK_TFLOPS)")
-    p.add_argument("--parts", nargs="+", default=None, help="--gpu-table: only these parts (default: all)")
-    p.add_argument("--budget-s", type=float, default=540.0,
-                   help="--gpu-table: seconds for the whole table; a part still running then is stopped (its "
-                        "finished runs are kept) and the parts after it are not run")
-    p.add_argument("--no-warm", action="store_true",
-                   help="--gpu-table: no compile warm-up; every compiled run compiles in its own measured run")
     args = p.parse_args(argv)
     missing = [c for c in args.configs if not (CONFIGS / c.split("+")[0]).is_file()]
     if missing:
@@ -584,10 +573,11 @@ def write_report(out, args, results, settings, on_gpu):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--gpu-table" in argv:  # handed to bench/gpu_table.py with its other flags: it imports this module, not back
+        table = str(REPO / "bench" / "gpu_table.py")
+        os.execv(sys.executable, [sys.executable, table, *(a for a in argv if a != "--gpu-table")])
     args = parse_args(argv)
-    if args.gpu_table:
-        from gpu_table import gpu_table  # bench/gpu_table.py: the parts, their inputs, warm-up and budget
-        return gpu_table(args)
     import torch
     on_gpu = torch.cuda.is_available()
     processes = args.num_processes or (torch.cuda.device_count() if on_gpu else 2)

@@ -1,30 +1,36 @@
-"""The GPU table: the project's comparisons on a GPU, measured in one device call.
+"""The GPU table: the project's comparisons on a GPU, measured within a time budget, the fine-tunes first.
 
-    python bench/benchmark.py --gpu-table                  # or: bash bench/gpu_pack.sh table (README, "On a GPU")
-    python bench/benchmark.py --gpu-table --parts finetune-full finetune-lora --budget-s 300
+    bash bench/gpu_pack.sh --budget-s 540               # the whole GPU call: install, pack, then this (README)
+    python bench/gpu_table.py --budget-s 300            # the table alone (python bench/benchmark.py --gpu-table)
+    python bench/gpu_table.py --parts finetune-full finetune-lora --budget-s 200
+    python bench/gpu_table.py --dry-run --budget-s 330  # the plan: the parts in order, what the budget reaches
 
-Owns the table's parts (PARTS: one bench/benchmark.py run each, into OUT/<date>-<gpu>/<part>/), the inputs they
-need made on the machine (striped images, the 1B Llama shape with the tests' tokenizer, uneven chat data: nothing
-is downloaded), the compile warm-up, the time budget, and OUT/<date>-<gpu>/README.md, which puts the parts side by
-side with the goals of the issues that asked for them.
+Owns the table's parts (PARTS: one bench/benchmark.py run each), the inputs they need made on the machine (striped
+images, the 1B Llama shape with the tests' tokenizer, uneven chat data: nothing is downloaded), the compile warm-ups,
+the budget, and what it writes: OUT/table.md (the parts side by side with the goals of the issues that asked for
+them), OUT/table.json (every row, every part's status) and OUT/failures.log (the end of each failed run's log), all
+three rewritten the moment each part ends. OUT is $OUT where set (a device call's folder that comes back), else
+bench/results/<date>-<gpu>/; the parts' own reports, logs, runs and the inputs stay in .gpu/table/<date>-<gpu>/.
 
-Where the time goes, and how it fits one call (issue "What the H100 showed": the first table spent 440 s on 3 of
-its 5 parts, mostly in process start-up and compilation):
+How it runs (issue 42: the first contact spent 440 s on 3 of 5 parts, mostly in process start-up and compilation;
+six warm-ups at once, each with 16 inductor workers, left the 1B compile unfinished):
   1. inputs: seconds;
-  2. warm-up: every compiled run of every part for WARM_STEPS steps, several at once on the one GPU (each part
-     says how much GPU memory one of its runs may take, and together they stay under WARM_MEMORY_SHARE of it),
-     so that inductor's caches (FX graph, AOTAutograd, Triton kernels and autotuning, all on by default, in
-     /tmp/torchinductor_<user>) hold each graph before it is measured. Nothing is measured here; a warm-up
-     that fails (out of memory, say) only leaves its graphs to be compiled in the measured run;
-  3. the parts, one run at a time: measurements never share the GPU. A compiled run now traces its model and
-     loads the compiled graphs instead of compiling them;
-  4. the budget (--budget-s, from the table's start): a part still running then is sent SIGTERM, the benchmark
-     writes the report of the runs it finished, and the parts after it are listed as not run. README.md is
-     rewritten after every part, so a call cut short still leaves what was measured.
+  2. two stages, the fine-tune parts first (never measured, the reason for the table), then the rest in what time
+     is left (gpt, mnist, resnet, the engines: the first contact measured them). Each stage first warms the
+     compiled runs of its parts that the budget may reach: each runs WARM_STEPS steps with the command its part
+     measures, WARM_AT_ONCE at a time (within WARM_MEMORY_SHARE of the GPU's memory) with the cores shared among
+     their inductor workers, so that inductor's caches (FX graph, AOTAutograd, Triton kernels) hold each graph.
+     A warm-up runs to its end or to WARM_SHARE of the time left; a compiled run whose warm-up was stopped is left
+     out of its part (it would compile inside its measured run) and listed as such;
+  3. the parts, one run at a time: measurements never share the GPU. A part starts when at least START_SHARE of
+     its expected time is left, else it is listed as not reached; a part still running STOP_GRACE_S before the
+     budget ends gets SIGTERM and its benchmark reports the runs it finished.
 With one GPU the two engine variants (ZeRO-2 without overlap_comm, FSDP as one unit) are left out: one process
 has no gradient reduction to overlap and nothing to shard, so only the shipped configs' overhead is shown.
 """
 
+import argparse
+import json
 import math
 import os
 import random
@@ -39,10 +45,12 @@ from pathlib import Path
 
 import benchmark
 from benchmark import REPO
+from gpu_wheels import one_line_errors
 
 # The fine-tune parts' recipe arguments: the 1B shape and the chats written here, blocks of 1024, global batch 8
 # (issue "Fine-tune at H100 speed"). --packing / --no-packing: recipes/finetune_lm.py's flag (that issue, item 1).
 FINETUNE = "--model {llama} --data-files {chats} --block-size 1024 --eval-batches 2"
+LORA = "--lora-r 16"
 
 
 @dataclass(frozen=True)
@@ -50,40 +58,53 @@ class Part:
     folder: str
     args: tuple  # bench/benchmark.py's arguments; {images}, {llama}, {chats}: the inputs written here
     what: str
+    # Expected seconds on one H100 with its compiled runs warmed (estimates from the first contact's part times,
+    # docs/measuring.md; none measured yet): whether the budget reaches it, and its compile warm-up's own.
+    expected_s: float = 60.0
+    warm_s: float = 0.0
     # GPU memory one compile warm-up run of this part may take (GB; the fine-tunes' from the peaks measured on an
     # H100 in issue "Fine-tune at H100 speed", 29.7 and 20.0 GB, plus the allocator's slack; GPT-124M's from its
     # activations at 32 x 1024 tokens, about 9 GB, plus its states); 0: nothing compiles.
     warm_gb: float = 0.0
+    first: bool = False  # the first stage: the fine-tune parts
+    missing: str = ""  # a part the recipe cannot run yet: why. Listed in its place, never run
 
 
-# In the order they run: a budget cut leaves out the last ones (resnet and the engines were measured on the
-# first contact; the fine-tunes never were).
+FULL, EAGER, COMPILED = ("1gpu.yaml", "1gpu_compile.yaml"), "1gpu.yaml", "1gpu_compile.yaml"
+# In the order they run: the fine-tunes first, then the rest; a budget cut leaves out the last ones.
 PARTS = [
-    Part("mnist", ("--recipe", "mnist", "--configs", "1gpu.yaml", "1gpu_compile.yaml", "--no-baselines",
-                   "--steps", "200", "--batch-size", "512"),
-         "MNIST: throughput, recipe / lean loop (goal at global batch 512), compile speed-up", 1),
-    Part("gpt", ("--recipe", "gpt", "--preset", "124M", "--configs", "1gpu.yaml", "1gpu_compile.yaml",
-                 "--steps", "60"),
-         "GPT-124M: throughput, MFU, recipe / lean loop (goal compiled), compile speed-up", 12),
-    Part("finetune-full", ("--recipe", "finetune_lm", "--configs", "1gpu.yaml", "1gpu_compile.yaml", "--steps", "20",
+    Part("finetune-full", ("--recipe", "finetune_lm", "--configs", *FULL, "--steps", "20",
                            "--recipe-args", f"{FINETUNE} --packing"),
          "1B Llama shape, full fine-tune on packed uneven chats: real tokens/s, MFU, peak memory, compile speed-up",
-         32),
-    Part("finetune-lora", ("--recipe", "finetune_lm", "--configs", "1gpu.yaml", "1gpu_compile.yaml", "--steps", "20",
-                           "--recipe-args", f"{FINETUNE} --lora-r 16 --packing"),
-         "the same with LoRA r 16: LoRA / full, eager and compiled", 22),
-    Part("finetune-padded", ("--recipe", "finetune_lm", "--configs", "1gpu.yaml", "--steps", "20",
+         90, 100, 32, first=True),
+    Part("finetune-lora", ("--recipe", "finetune_lm", "--configs", *FULL, "--steps", "20",
+                           "--recipe-args", f"{FINETUNE} {LORA} --packing"),
+         "the same with LoRA r 16: LoRA / full, eager and compiled", 80, 90, 22, first=True),
+    Part("finetune-padded", ("--recipe", "finetune_lm", "--configs", EAGER, "--steps", "20",
                              "--recipe-args", f"{FINETUNE} --no-packing"),
-         "the full fine-tune on the same chats, each padded to the block: packed / padded real tokens/s"),
-    Part("resnet", ("--recipe", "resnet", "--configs", "1gpu.yaml", "1gpu_compile.yaml", "--steps", "60",
+         "the full fine-tune on the same chats, each padded to the block: packed / padded real tokens/s", 35,
+         first=True),
+    Part("finetune-lora-zero3", ("--recipe", "finetune_lm", "--configs", "deepspeed_zero3.yaml", "--steps", "20",
+                                 "--recipe-args", f"{FINETUNE} {LORA} --packing"),
+         "LoRA r 16 under ZeRO-3 on one process: ZeRO-3 LoRA / LoRA without an engine (1gpu.yaml)", 60, first=True),
+    # The places of the fine-tune parts to come: give them their arguments when the recipe has the flag.
+    Part("finetune-chunked-loss", (), "the full fine-tune with the loss computed in chunks: peak memory, tokens/s",
+         first=True, missing="recipes/finetune_lm.py has no chunked loss yet"),
+    Part("finetune-qlora", (), "LoRA on 4-bit frozen weights (bitsandbytes, carried in .gpu/w): peak memory, "
+         "tokens/s against LoRA", first=True, missing="recipes/finetune_lm.py has no QLoRA yet"),
+    Part("gpt", ("--recipe", "gpt", "--preset", "124M", "--configs", *FULL, "--steps", "60"),
+         "GPT-124M: throughput, MFU, recipe / lean loop (goal compiled), compile speed-up", 70, 70, 12),
+    Part("mnist", ("--recipe", "mnist", "--configs", *FULL, "--no-baselines", "--steps", "200", "--batch-size", "512"),
+         "MNIST: throughput, recipe / lean loop (goal at global batch 512), compile speed-up", 45, 40, 1),
+    Part("resnet", ("--recipe", "resnet", "--configs", *FULL, "--steps", "60",
                     "--recipe-args", "--data-dir {images} --image-size 32 --num-workers 4"),
-         "ResNet-18 at 32 px: throughput, compile speed-up", 2),
+         "ResNet-18 at 32 px: throughput, compile speed-up", 50, 40, 2),
     Part("zero2-overlap", ("--recipe", "gpt", "--preset", "124M", "--configs", "deepspeed_zero2.yaml",
                            "deepspeed_zero2.yaml+no-overlap", "--no-lean", "--steps", "40"),
-         "GPT-124M under ZeRO-2, gradient reduction overlapping backward or after it"),
+         "GPT-124M under ZeRO-2, gradient reduction overlapping backward or after it", 25),
     Part("fsdp-units", ("--recipe", "gpt", "--preset", "124M", "--configs", "fsdp.yaml", "fsdp.yaml+one-unit",
                         "--no-lean", "--steps", "40"),
-         "GPT-124M under FSDP2, one unit per block or the whole model as one unit"),
+         "GPT-124M under FSDP2, one unit per block or the whole model as one unit", 20),
 ]
 # Dense bf16 peak TFLOPS by device name (first match), the MFU denominator: the SXM figure would understate the
 # MFU of a PCIe card by up to a quarter.
@@ -93,9 +114,13 @@ LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers":
             "num_key_value_heads": 8, "max_position_embeddings": 2048, "tie_word_embeddings": True}
 CHATS = 2000  # conversations in chats.jsonl: a few hundred thousand tokens, more than 23 steps of 8 x 1024 use
 WARM_STEPS = 3  # optimizer steps of a warm-up run: the first compiles the training graph, the end evaluates
+WARM_AT_ONCE = 2  # warm-ups at a time: dynamo's tracing is one Python thread each; inductor's workers share cores
 WARM_MEMORY_SHARE = 0.9
-WARM_LIMIT_S = 240  # a warm-up still running then is stopped: its graphs compile in the measured run instead
-STOP_GRACE_S = 30  # after SIGTERM, a part's benchmark has this long to write its report (the call ends at 600 s)
+WARM_SHARE = 0.45  # of a stage's time left, at most, for its warm-ups
+START_SHARE = 0.5  # a part starts with at least this share of its expected time left: its first runs can end
+INPUTS_S = 15  # expected: the images, the 1B model drawn on the GPU and saved, the chats
+STOP_GRACE_S = 30  # after SIGTERM, a part's benchmark has this long to write its report
+WORK = REPO / ".gpu" / "table"  # the parts' reports, logs, runs and inputs (ignored by git)
 
 
 def peak_tflops_for(name):
@@ -111,14 +136,32 @@ def selected(names):
     return [part for part in PARTS if not names or part.folder in names]
 
 
-def part_argv(part, peak_tflops, inputs, gpus):
+def stages(parts):
+    """[(stage name, its parts)]: the fine-tune parts, then the rest, each in PARTS' order."""
+    return [(name, [p for p in parts if p.first == first])
+            for name, first in (("fine-tune", True), ("the rest", False)) if any(p.first == first for p in parts)]
+
+
+def reachable(parts, left_s):
+    """The parts of a stage whose warm-up is worth its time: in order, those the estimates say can start with
+    START_SHARE of their time left after the ones before them."""
+    out, at = [], 0.0
+    for part in parts:
+        if not part.missing and left_s - at >= START_SHARE * part.expected_s:
+            out.append(part)
+            at += part.expected_s
+    return out
+
+
+def part_argv(part, peak_tflops, inputs, gpus, leave_out=()):
     """bench/benchmark.py's arguments for one part on this machine: the inputs filled in, MFU's peak for the
-    recipes that report MFU, and with one GPU no CONFIG+VARIANT (see the module docstring)."""
+    recipes that report MFU, with one GPU no CONFIG+VARIANT (see the module docstring), and without the configs
+    of leave_out (compiled runs whose warm-up did not end)."""
     argv = []
     for arg in part.args:
         for key, path in inputs.items():
             arg = arg.replace("{" + key + "}", str(path))
-        if gpus >= 2 or arg not in benchmark.VARIANTS:
+        if (gpus >= 2 or arg not in benchmark.VARIANTS) and arg not in leave_out:
             argv.append(arg)
     recipe = argv[argv.index("--recipe") + 1]
     if recipe in ("gpt", "finetune_lm"):  # the lean loop takes the same flag
@@ -131,11 +174,15 @@ def part_argv(part, peak_tflops, inputs, gpus):
     return argv + ["--mixed-precision", "bf16"]
 
 
+def part_command(part, out, peak_tflops, inputs, gpus, leave_out=()):
+    """One part's benchmark run, in bf16, into out/<folder>."""
+    return [sys.executable, str(REPO / "bench" / "benchmark.py"),
+            *part_argv(part, peak_tflops, inputs, gpus, leave_out), "--out", str(out / part.folder)]
+
+
 def part_commands(out, peak_tflops, inputs, gpus, parts=PARTS):
-    """[(folder, command)]: one benchmark run per part, in bf16, into out/<folder>."""
-    return [(part.folder, [sys.executable, str(REPO / "bench" / "benchmark.py"),
-                           *part_argv(part, peak_tflops, inputs, gpus), "--out", str(out / part.folder)])
-            for part in parts]
+    """[(folder, command)]: one benchmark run per part that can run, into out/<folder>."""
+    return [(part.folder, part_command(part, out, peak_tflops, inputs, gpus)) for part in parts if not part.missing]
 
 
 @dataclass
@@ -147,10 +194,12 @@ class Warm:
     gb: float
 
 
-def warm_plan(commands, parts, out, threads):
+def warm_plan(commands, parts, out, threads, cores=None):
     """The compiled runs of every part, as the part will launch them but for WARM_STEPS steps (the same model,
-    batch, precision and config, so the same graphs), each into out/warm/."""
+    batch, precision and config, so the same graphs), each into out/warm/; inductor's compile workers: the cores
+    shared among the WARM_AT_ONCE warm-ups that run together."""
     gb = {part.folder: part.warm_gb for part in parts}
+    compile_threads = max(1, (cores or os.cpu_count() or 2) // WARM_AT_ONCE)
     warms = []
     for folder, cmd in commands:
         if not gb[folder]:
@@ -165,21 +214,21 @@ def warm_plan(commands, parts, out, threads):
             if repeat == 0 and is_compiled:
                 slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{folder} {name}").strip("-")
                 warms.append(Warm(folder, name, [*run_cmd, "--output-dir", str(out / "warm" / slug)],
-                                  {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **env}, gb[folder]))
+                                  {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+                                   "TORCHINDUCTOR_COMPILE_THREADS": str(compile_threads), **env}, gb[folder]))
     return warms
 
 
-def warm_up(warms, cap_gb, limit_s, log_dir):
-    """Run the warm-ups, as many at once as fit in cap_gb by their estimates (always at least one), for at most
-    limit_s; returns {part name: how it ended}."""
+def warm_up(warms, cap_gb, limit_s, log_dir, at_once=WARM_AT_ONCE):
+    """Run the warm-ups in their order, at most at_once together and as many as fit in cap_gb by their estimates
+    (always at least one), for at most limit_s; returns {part: run: how it ended}."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    # The largest first: they compile the longest, and the small ones fill the memory left beside them.
-    pending, running, ended = sorted(warms, key=lambda w: -w.gb), [], {}
+    pending, running, ended = list(warms), [], {}
     deadline = time.monotonic() + limit_s
     while pending or running:
         for warm in list(pending):
-            if running and sum(r.gb for r, _ in running) + warm.gb > cap_gb:
-                continue
+            if running and (len(running) >= at_once or sum(r.gb for r, _ in running) + warm.gb > cap_gb):
+                break  # in order: the next one waits for room rather than a smaller one going first
             pending.remove(warm)
             with open(log_dir / f"{Path(warm.cmd[-1]).name}.log", "w") as log:
                 running.append((warm, subprocess.Popen(warm.cmd, cwd=REPO, env=dict(os.environ, **warm.env),
@@ -210,17 +259,20 @@ def stop_group(proc, grace_s):
         proc.wait()
 
 
-def run_part(cmd, seconds_left):
-    """One part's benchmark, its output on ours; stopped at the budget. Returns how it ended."""
-    if seconds_left <= 0:
+def run_part(cmd, seconds_left, log_path, grace_s=None):
+    """One part's benchmark, its output into log_path; sent SIGTERM grace_s (STOP_GRACE_S) before its time is up.
+    Returns how it ended."""
+    grace_s = STOP_GRACE_S if grace_s is None else grace_s
+    if seconds_left - grace_s <= 0:
         return "not run: the table's budget was spent"
-    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        code = proc.wait(timeout=seconds_left)
+        code = proc.wait(timeout=seconds_left - grace_s)
     except subprocess.TimeoutExpired:
-        stop_group(proc, STOP_GRACE_S)
+        stop_group(proc, grace_s)
         return "stopped at the table's budget (the runs it finished are in its report)"
-    return "done" if code == 0 else f"failed (exit {code}): see its results.md and logs/"
+    return "done" if code == 0 else f"failed (exit {code}): see failures.log"
 
 
 def chat_conversations(n=CHATS, seed=0):
@@ -291,51 +343,64 @@ def write_inputs(out, parts):
 
 
 def ratio(by, a, b, key="throughput"):
-    """by[a][key] / by[b][key], a and b (part, run) keys of measured rows; "-" where either is missing."""
+    """by[a][key] / by[b][key], a and b (part, run) keys of measured rows; None where either is missing."""
     ra, rb = by.get(a), by.get(b)
-    if not ra or not rb or "failed" in ra or "failed" in rb or not ra.get(key) or not rb.get(key):
-        return "-"
-    return f"{ra[key] / rb[key]:.3f}"
+    if not ra or not rb or "failed" in ra or "failed" in rb:
+        return None
+    va, vb = (max(r["peak_memory_mb_per_rank"]) if key == "peak_memory_mb" else r.get(key) for r in (ra, rb))
+    return va / vb if va and vb else None
+
+
+def shown(value, goal=None):
+    """A ratio as the table shows it, with its goal (a minimum) met or not: "1.600 (goal >= 1.5: met)"."""
+    text = "-" if value is None else f"{value:.3f}"
+    if goal is None:
+        return text
+    verdict = "not measured" if value is None else "met" if value >= goal else "NOT met"
+    return f"{text} (goal >= {goal:g}: {verdict})"
 
 
 def recipe_lines(by, reports):
-    """The comparisons of the mnist, gpt, resnet and engine parts."""
+    """The comparisons of the gpt, mnist, resnet and engine parts."""
     lines = []
-    for folder in ("mnist", "gpt", "resnet"):
+    for folder in ("gpt", "mnist", "resnet"):
         if folder not in reports:
             continue
         lean = reports[folder]["ratios"].get("recipe_vs_lean", {})
-        verdicts = [f"recipe / lean loop under {c}: {v['value']:.3f} (goal {v['goal']}, "
+        verdicts = [f"recipe / lean loop under {c}: {v['value']:.3f} (goal {v['goal']}: "
                     f"{'met' if v['met'] else 'NOT met' if v['goal_applies'] else 'not judged'})"
                     for c, v in lean.items()]
         lines.append(f"- {folder}: compile speed-up (1gpu_compile.yaml / 1gpu.yaml) "
-                     f"{ratio(by, (folder, '1gpu_compile.yaml'), (folder, '1gpu.yaml'))}"
-                     + "".join(f"; {v}" for v in verdicts))
+                     f"{shown(ratio(by, (folder, COMPILED), (folder, EAGER)))}" + "".join(f"; {v}" for v in verdicts))
     if ("zero2-overlap", "deepspeed_zero2.yaml+no-overlap") in by:
-        lines.append("- ZeRO-2 overlap_comm on / off: " + ratio(by, ("zero2-overlap", "deepspeed_zero2.yaml"),
-                                                                ("zero2-overlap", "deepspeed_zero2.yaml+no-overlap")))
+        lines.append("- ZeRO-2 overlap_comm on / off: " + shown(ratio(
+            by, ("zero2-overlap", "deepspeed_zero2.yaml"), ("zero2-overlap", "deepspeed_zero2.yaml+no-overlap"))))
     if ("fsdp-units", "fsdp.yaml+one-unit") in by:
         per_block, one = ("fsdp-units", "fsdp.yaml"), ("fsdp-units", "fsdp.yaml+one-unit")
-        lines.append(f"- FSDP one unit per block / one unit: {ratio(by, per_block, one)} (peak memory per block / "
-                     f"one unit: {ratio(by, per_block, one, 'peak_memory_mb')})")
+        lines.append(f"- FSDP one unit per block / one unit: {shown(ratio(by, per_block, one))} (peak memory per "
+                     f"block / one unit: {shown(ratio(by, per_block, one, 'peak_memory_mb'))})")
     return lines
 
 
 def finetune_lines(by):
-    """The fine-tune comparisons, with the goals of issue "Fine-tune at H100 speed"."""
+    """The fine-tune comparisons, each with its goal (issue "Fine-tune at H100 speed", issue 42 item 3)."""
     if not any(part.startswith("finetune") for part, _ in by):
         return []
-    eager, compiled = "1gpu.yaml", "1gpu_compile.yaml"
-    full, lora, padded = "finetune-full", "finetune-lora", "finetune-padded"
-    mfu = (by.get((full, compiled)) or {}).get("mfu")
+    full, lora, padded, zero3 = "finetune-full", "finetune-lora", "finetune-padded", "finetune-lora-zero3"
+    mfu = (by.get((full, COMPILED)) or {}).get("mfu")
+    mfu_verdict = "not measured" if mfu is None else "met" if mfu >= 0.5 else "NOT met"
     return [
-        f"- fine-tune, LoRA / full (real tokens/s): eager {ratio(by, (lora, eager), (full, eager))}, compiled "
-        f"{ratio(by, (lora, compiled), (full, compiled))} (goal >= 1.5 both)",
+        f"- fine-tune, LoRA / full (real tokens/s): eager {shown(ratio(by, (lora, EAGER), (full, EAGER)), 1.5)}, "
+        f"compiled {shown(ratio(by, (lora, COMPILED), (full, COMPILED)), 1.5)}",
         f"- fine-tune, packed / padded (real tokens/s, full fine-tune, eager): "
-        f"{ratio(by, (full, eager), (padded, eager))} (goal >= 2)",
-        f"- fine-tune, compiled full fine-tune MFU: {'-' if mfu is None else f'{100 * mfu:.1f}%'} (goal >= 50%)",
+        f"{shown(ratio(by, (full, EAGER), (padded, EAGER)), 2)}",
+        f"- fine-tune, compiled full fine-tune MFU: {'-' if mfu is None else f'{100 * mfu:.1f}%'} (goal >= 50%: "
+        f"{mfu_verdict})",
+        f"- fine-tune, ZeRO-3 LoRA / LoRA without an engine (one process, eager): "
+        f"{shown(ratio(by, (zero3, 'deepspeed_zero3.yaml'), (lora, EAGER)), 0.8)}",
         f"- fine-tune, compile speed-up (1gpu_compile.yaml / 1gpu.yaml): full "
-        f"{ratio(by, (full, compiled), (full, eager))}, LoRA {ratio(by, (lora, compiled), (lora, eager))}"]
+        f"{shown(ratio(by, (full, COMPILED), (full, EAGER)))}, "
+        f"LoRA {shown(ratio(by, (lora, COMPILED), (lora, EAGER)))}"]
 
 
 def table_rows(reports):
@@ -346,7 +411,7 @@ def table_rows(reports):
         for row in report["table"]:
             by[(folder, row["name"])] = row
             if "failed" in row:
-                lines.append(f"| {folder} | {row['name']} | FAILED: see {row['log']} | | | | | | |")
+                lines.append(f"| {folder} | {row['name']} | FAILED: {row['failed'][:120]} | | | | | | |")
                 continue
             unit = row["unit"].replace("_per_s", "/s")
             lines.append(f"| {folder} | {row['name']} | {row['processes']} | {row['throughput']:.0f} {unit} | "
@@ -358,20 +423,21 @@ def table_rows(reports):
 
 
 def markdown(reports, name, date, peak, progress):
-    """README.md of the table: every run of every part, the comparisons, and where the time went.
-    progress: {"statuses": {part: how it ended}, "timings": {phase or part: seconds}, "facts", "warm", "gpus"}."""
+    """table.md: every run of every part, the comparisons with their goals, where the time went, and how each part
+    ended (not reached and not built yet included). progress: {"statuses": {part: how it ended}, "timings": {phase
+    or part: seconds}, "facts", "warm", "gpus"}."""
     hw = next(iter(reports.values()))["hardware"] if reports else {}
     by, rows = table_rows(reports)
     lines = [f"# GPU table: {name}", "",
              f"Measured {date} on {hw.get('label', name)} ({hw.get('host', '?')}); torch {hw.get('torch')}, "
-             f"accelerate {hw.get('accelerate')}, DeepSpeed {hw.get('deepspeed')}. `python bench/benchmark.py "
-             f"--gpu-table`: bf16, MFU against {peak:g} TFLOPS; each part's own report (results.md, logs) is in "
-             "its folder. The fine-tune runs' tokens/s and MFU count real tokens (not padding); padding: the share "
-             "of positions that are padding.", "",
+             f"accelerate {hw.get('accelerate')}, DeepSpeed {hw.get('deepspeed')}. `python bench/gpu_table.py`: "
+             f"bf16, MFU against {peak:g} TFLOPS; each part's own report (results.md, logs) is in .gpu/table/ on the "
+             "machine. The fine-tune runs' tokens/s and MFU count real tokens (not padding) and each example's "
+             "attention span; padding: the share of positions that are padding.", "",
              "| part | run | procs | throughput | MFU | step ms | peak MB per proc | padding | FSDP units |",
              "|---|---|---|---|---|---|---|---|---|", *rows,
              "", "Comparisons (throughput ratios of the runs above):", "",
-             *recipe_lines(by, reports), *finetune_lines(by)]
+             *finetune_lines(by), *recipe_lines(by, reports)]
     if progress["gpus"] < 2 and any(p in reports for p in ("zero2-overlap", "fsdp-units")):
         lines.append("- With one GPU, ZeRO-2 and FSDP run one process: there is no reduction to overlap and nothing "
                      "to shard, so their variants (no-overlap, one-unit) are left out and the shipped configs show "
@@ -386,71 +452,221 @@ def markdown(reports, name, date, peak, progress):
     if warmed:
         lines.append(f"Compile warm-up: {sum(v == 'warmed' for v in warmed.values())} of {len(warmed)} compiled runs "
                      "warmed the caches" + "".join(f"; {k}: {v}" for k, v in warmed.items() if v != "warmed") + ".")
-    for part, status in progress["statuses"].items():
-        if status != "done":
-            lines.append(f"- {part}: {status}")
+    lines += ["", "Parts, in the order they run:", ""]
+    lines += [f"- {part}: {status}" for part, status in progress["statuses"].items()]
     return "\n".join(lines) + "\n"
 
 
 def reports_in(table_dir, folders):
-    import json
     return {folder: json.loads((table_dir / folder / "results.json").read_text())
             for folder in folders if (table_dir / folder / "results.json").exists()}
 
 
+def write_atomically(path, text):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def log_tail(path, lines=40):
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"({exc})"
+
+
+class Table:
+    """What the table has measured so far, and its three files in OUT, rewritten after each part."""
+
+    def __init__(self, out, work, name, date, peak, gpus, parts):
+        self.out, self.work, self.name, self.date, self.peak = out, work, name, date, peak
+        self.parts, self.inputs = parts, {}
+        self.progress = {"statuses": {p.folder: "waiting" for p in parts}, "timings": {}, "facts": {}, "warm": {},
+                         "gpus": gpus}
+        for part in parts:
+            if part.missing:
+                self.progress["statuses"][part.folder] = f"not built yet: {part.missing}"
+        self.failures = []
+        out.mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
+
+    def ended(self, folder, status, seconds):
+        """A part's end: its status, its time, its failed runs' log tails; then the files. Its runs' folders go:
+        the exported models (4 GB each for the 1B fine-tunes) would fill the disk, and nothing reads them."""
+        import shutil
+        shutil.rmtree(self.work / folder / "runs", ignore_errors=True)
+        self.progress["statuses"][folder] = status
+        if seconds is not None:
+            self.progress["timings"][folder] = seconds
+        report = reports_in(self.work, [folder]).get(folder)
+        runs = [r for r in (report or {}).get("runs", []) if "failed" in r and r.get("exit_code") is not None]
+        for r in runs:
+            self.failures.append(f"== {folder}: {r['name']} (exit {r['exit_code']}), {r['log']}\n{log_tail(r['log'])}")
+        if status.startswith("failed") and not runs:
+            log = self.work / f"{folder}.log"
+            self.failures.append(f"== {folder}: the benchmark itself ({status}), {log}\n{log_tail(log)}")
+        self.write()
+
+    def warmed(self, ended, log_dir):
+        self.progress["warm"].update(ended)
+        for run, how in ended.items():
+            if how.startswith("failed"):
+                slug = re.sub(r"[^A-Za-z0-9]+", "-", run.replace(": ", " ")).strip("-")
+                self.failures.append(f"== warm-up {run}: {how}\n{log_tail(log_dir / f'{slug}.log')}")
+        self.write()
+
+    def write(self):
+        reports = reports_in(self.work, [p.folder for p in self.parts])
+        text = markdown(reports, self.name, self.date, self.peak, self.progress)
+        data = {"gpu": self.name, "date": self.date, "peak_tflops": self.peak, **self.progress,
+                "parts": {folder: {"table": r["table"], "ratios": r["ratios"], "settings": r.get("settings")}
+                          for folder, r in reports.items()}}
+        write_atomically(self.out / "table.json", json.dumps(data, indent=1, default=str))
+        write_atomically(self.out / "table.md", text)
+        write_atomically(self.out / "failures.log", "\n\n".join(self.failures) + "\n" if self.failures else "")
+        return text
+
+
+def plan_lines(parts, budget_s):
+    """The plan (--dry-run): the inputs, then each stage's warm-up and parts in the order they run, each with its
+    expected time and where the estimates put its end; what they say the budget does not reach, and the parts not
+    built yet, are marked."""
+    lines = [f"table: {budget_s:.0f} s, the fine-tune parts first (expected seconds on one H100: estimates, none "
+             "measured yet)", f"  {'inputs':<44} ~{INPUTS_S:>3.0f} s  (until {INPUTS_S:.0f} s)"]
+    at, number = INPUTS_S, 0
+    for stage, members in stages(parts):
+        warm = [p for p in reachable(members, budget_s - at) if p.warm_gb]
+        if warm:
+            seconds = min(max(max(p.warm_s for p in warm), sum(p.warm_s for p in warm) / WARM_AT_ONCE),
+                          WARM_SHARE * (budget_s - at))
+            at += seconds
+            lines.append(f"  {'warm-up: ' + ', '.join(p.folder for p in warm):<44} ~{seconds:>3.0f} s  "
+                         f"(until {at:.0f} s; {WARM_AT_ONCE} at a time)")
+        for part in members:
+            number += 1
+            label = f"{number}. {part.folder}"
+            if part.missing:
+                lines.append(f"  {label:<44} not built yet: {part.missing}")
+                continue
+            at += part.expected_s
+            reach = "" if at <= budget_s else "; beyond the budget by the estimates: runs if those before end sooner"
+            lines.append(f"  {label:<44} ~{part.expected_s:>3.0f} s  (until {at:.0f} s{reach})")
+    return lines
+
+
+def run_stage(stage, members, table, commands, deadline, no_warm):
+    """One stage: the warm-ups of the parts the budget may reach, then each part in turn (module docstring)."""
+    left = deadline - time.monotonic()
+    warm = [(p, cmd) for p, cmd in commands if p in reachable(members, left) and p.warm_gb]
+    warmed = {}
+    if not no_warm and warm:
+        begun = time.monotonic()
+        warmed = warm_phase([(p.folder, cmd) for p, cmd in warm], [p for p, _ in warm], table.work,
+                            table.progress["gpus"], WARM_SHARE * left)
+        table.progress["timings"][f"warm-up ({stage})"] = time.monotonic() - begun
+        table.warmed(warmed, table.work / "warm" / "logs")
+    for part, cmd in commands:
+        if part not in members:
+            continue
+        left = deadline - time.monotonic()
+        if left < max(START_SHARE * part.expected_s, STOP_GRACE_S + 1):  # +1: a part needs a moment of its own
+            table.ended(part.folder, f"not reached: {max(left, 0):.0f} s of the budget left, it needs about "
+                                     f"{part.expected_s:.0f} s", None)
+            continue
+        unwarmed = [run.split(": ", 1)[1] for run, how in warmed.items()
+                    if run.startswith(f"{part.folder}: ") and how.startswith(("stopped", "not started"))]
+        if unwarmed:
+            cmd = part_command(part, table.work, table.peak, table.inputs, table.progress["gpus"], unwarmed)
+        print(f"gpu table: {part.folder}: {' '.join(cmd[1:])}", flush=True)
+        begun = time.monotonic()
+        status = run_part(cmd, left, table.work / f"{part.folder}.log")
+        if unwarmed:
+            status += (f"; not measured: {', '.join(unwarmed)} (its compile warm-up did not end, so it would "
+                       "have compiled inside its measured run)")
+        table.ended(part.folder, status, time.monotonic() - begun)
+        print(f"gpu table: {part.folder}: {status} in {time.monotonic() - begun:.0f} s", flush=True)
+
+
 def gpu_table(args):
-    """Inputs, warm-up, then the parts in turn within --budget-s; OUT/<date>-<gpu>/README.md after each part."""
+    """Inputs, then each stage's warm-ups and parts within --budget-s; OUT's files after each part. Exit 1 when a
+    part failed."""
     import torch
     started = time.monotonic()
+    deadline = started + args.budget_s
     if not torch.cuda.is_available():
-        print("error: --gpu-table measures GPUs and this machine has no CUDA device; run it where one is "
-              "(README, 'On a GPU')", file=sys.stderr)
+        print("error: the GPU table measures GPUs and this machine has no CUDA device; run it where one is "
+              "(README, 'On a GPU'), or see its plan with --dry-run", file=sys.stderr)
         return 2
-    try:
-        parts = selected(args.parts)
-    except ValueError as exc:
-        print(f"error: --parts: {exc}", file=sys.stderr)
-        return 2
+    parts = selected(args.parts)
     name = torch.cuda.get_device_name(0)
     peak = args.peak_tflops or peak_tflops_for(name)
     if not peak:
         print(f"error: no dense bf16 peak known for {name!r}: pass --peak-tflops", file=sys.stderr)
         return 2
     date, gpus = time.strftime("%Y-%m-%d"), torch.cuda.device_count()
-    out = Path(args.out).resolve() / f"{date}-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}"
-    out.mkdir(parents=True, exist_ok=True)
+    slug = f"{date}-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}"
+    out = Path(args.out or os.environ.get("OUT") or REPO / "bench" / "results" / slug).resolve()
+    table = Table(out, (Path(args.work) / slug).resolve(), name, date, peak, gpus, parts)
     os.chdir(REPO)  # the parts' relative paths (mnist's data/) are the repository's, wherever this was started
-    progress = {"statuses": {}, "timings": {}, "facts": {}, "warm": {}, "gpus": gpus}
-    inputs, progress["facts"] = write_inputs(out, parts)
-    progress["timings"]["inputs"] = time.monotonic() - started
-    commands = part_commands(out, peak, inputs, gpus, parts)
-    if not args.no_warm:
-        progress["warm"] = warm_phase(commands, parts, out, gpus, args.budget_s - (time.monotonic() - started))
-        progress["timings"]["warm-up"] = time.monotonic() - started - progress["timings"]["inputs"]
-    for folder, cmd in commands:
-        print(f"gpu table: {folder}: {' '.join(cmd[1:])}", flush=True)
-        begun = time.monotonic()
-        status = progress["statuses"][folder] = run_part(cmd, args.budget_s - (begun - started))
-        if not status.startswith("not run"):
-            progress["timings"][folder] = time.monotonic() - begun
-        print(f"gpu table: {folder}: {status} in {time.monotonic() - begun:.0f} s "
-              f"({time.monotonic() - started:.0f} s since the table started)", flush=True)
-        (out / "README.md").write_text(markdown(reports_in(out, [f for f, _ in commands]), name, date, peak, progress))
-    print((out / "README.md").read_text())
-    return 0 if all(status == "done" for status in progress["statuses"].values()) else 1
+    table.write()
+    table.inputs, table.progress["facts"] = write_inputs(table.work, [p for p in parts if not p.missing])
+    table.progress["timings"]["inputs"] = time.monotonic() - started
+    commands = [(p, part_command(p, table.work, peak, table.inputs, gpus)) for p in parts if not p.missing]
+    for stage, members in stages(parts):
+        run_stage(stage, members, table, commands, deadline, args.no_warm)
+    text = table.write()
+    print(text)
+    # Not reached, stopped at the budget, not built yet: listed, not failures (a lower budget shortens the table).
+    return 1 if any(s.startswith("failed") for s in table.progress["statuses"].values()) else 0
 
 
-def warm_phase(commands, parts, out, gpus, seconds_left):
-    """The compile warm-up (module docstring, 2): {run: how its warm-up ended}; the warm-up runs' output
-    folders (exported models) are removed after it, their logs kept in out/warm/logs."""
+def warm_phase(commands, parts, work, gpus, limit_s):
+    """A stage's compile warm-up (module docstring, 2): {part: run: how its warm-up ended}; the warm-up runs'
+    output folders (exported models) are removed after it, their logs kept in work/warm/logs."""
     import shutil
 
     import torch
     threads = max(1, (os.cpu_count() or 2) // gpus)  # as bench/benchmark.py gives the measured runs
     cap_gb = WARM_MEMORY_SHARE * torch.cuda.get_device_properties(0).total_memory / 1e9
-    warms = warm_plan(commands, parts, out, threads)
-    print(f"gpu table: compile warm-up of {len(warms)} runs, several at once within {cap_gb:.0f} GB", flush=True)
-    ended = warm_up(warms, cap_gb, min(WARM_LIMIT_S, seconds_left / 2), out / "warm" / "logs")
+    warms = warm_plan(commands, parts, work, threads)
+    print(f"gpu table: compile warm-up of {len(warms)} runs, {WARM_AT_ONCE} at a time within {cap_gb:.0f} GB, "
+          f"for at most {limit_s:.0f} s", flush=True)
+    ended = warm_up(warms, cap_gb, limit_s, work / "warm" / "logs")
     for warm in warms:
         shutil.rmtree(warm.cmd[-1], ignore_errors=True)
     return ended
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="seconds for the whole table; a part still running then is stopped (its finished runs are "
+                        "kept) and the parts after it are listed as not reached")
+    p.add_argument("--parts", nargs="+", default=None, help="only these parts (default: all), in PARTS' order")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="the GPU's dense bf16 peak for MFU (0: from the device's name, PEAK_TFLOPS)")
+    p.add_argument("--no-warm", action="store_true",
+                   help="no compile warm-up; every compiled run compiles in its own measured run")
+    p.add_argument("--out", default=None,
+                   help="where table.md, table.json and failures.log go (default: $OUT, else "
+                        "bench/results/<date>-<gpu>)")
+    p.add_argument("--work", default=str(WORK), help="the parts' reports, logs, runs and inputs")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
+    return one_line_errors(p).parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        parts = selected(args.parts)
+    except ValueError as exc:
+        print(f"error: --parts: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print("\n".join(plan_lines(parts, args.budget_s)))
+        return 0
+    return gpu_table(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

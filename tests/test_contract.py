@@ -443,7 +443,8 @@ def test_a_resume_must_match_every_training_flag(shelf, shelf_data):
 @pytest.mark.slow
 def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
     """1 process, then 2-process DDP, from the same working directory and without --output-dir: each keeps
-    its results in runs/mnist/<how it runs>; continued on 2 processes it stays there, branched it does not. 10 steps per
+    its results in runs/mnist/<how it runs>; continued on 2 processes it stays there, branched it does not, and no run
+    overwrites another's results. 10 steps per
     epoch with --checkpoint-every 3: saves at 3, 6, 9, 12, 15, 18 and the last step 20, none at the epoch's end
     (step 10)."""
     common = [str(REPO / "recipes" / "mnist.py"), "--data-dir", str(data_dir), *DATA_ARGS, "--epochs", "2",
@@ -488,16 +489,19 @@ def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
     assert (alone / "tensorboard").is_dir() and not (pair / "tensorboard").exists()
     assert json.loads((pair / "summary.json").read_text())["steps"] == 2
 
-    # Step 9 given to a run with a --checkpoint-dir of its own is a branch: it keeps its default directory and
-    # leaves the original's results alone.
-    continued = digest(alone / "metrics.jsonl")
+    # Step 9 given to a run with a --checkpoint-dir of its own is a branch, a run of its own: it leaves the original's
+    # results alone, and its default directory holds the 2-step run's, which it does not overwrite either (issue
+    # 41: it did, in silence): it writes the next free name, and says so.
+    continued, two_steps = digest(alone / "metrics.jsonl"), digest(pair / "summary.json")
     branch = [*ddp[:-2], "--resume", str(tmp_path / "ckpt" / "step-00000009"), "--checkpoint-dir",
               str(tmp_path / "branch")]
     code, output = run_command(branch, env={"ACCELERATE_USE_CPU": "1"}, cwd=tmp_path)
     assert code == 0 and "results: in" not in output, output[-3000:]
-    branched = json.loads((pair / "summary.json").read_text())
-    assert (branched["resumed_from_step"], branched["output_dir"]) == (9, "runs/mnist/ddp-2proc")
-    assert digest(alone / "metrics.jsonl") == continued
+    assert ("results: runs/mnist/ddp-2proc holds another run's results (eval.jsonl, metrics.jsonl, model.safetensors, "
+            "summary.json); this run writes runs/mnist/ddp-2proc-2 (give --output-dir to choose)") in output
+    branched = json.loads((tmp_path / "runs" / "mnist" / "ddp-2proc-2" / "summary.json").read_text())
+    assert (branched["resumed_from_step"], branched["output_dir"]) == (9, "runs/mnist/ddp-2proc-2")
+    assert digest(alone / "metrics.jsonl") == continued and digest(pair / "summary.json") == two_steps
 
 
 def test_run_refuses_a_namespace_without_its_flags():

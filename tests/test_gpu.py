@@ -12,10 +12,11 @@ Each launch checks what only a GPU shows:
     Not under DeepSpeed: its optimizer step reads the gradient norm and the overflow flag on the host
     (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py: .item(), synchronize()), by its design. Not in
     linear_regression.py either: the lab logs its line's m and n at every step.
-The runs are launched here, not through the CPU route. `bash bench/gpu_pack.sh pack` runs the pack on 8 pytest
-workers that share the GPU (pytest-xdist; each worker writes its own gpu_data): every launch is small, so the GPU has
-room for eight, and a test's time is mostly process start-up and compilation, which the cores share (target: the
-whole pack, install included, under 5 minutes on one H100).
+The runs are launched here, not through the CPU route. `bash bench/gpu_pack.sh` runs this file alone as the second
+phase of one device call (bench/gpu_call.py): on 8 pytest workers that share the GPU (pytest-xdist; each worker
+writes its own gpu_data), every launch small enough for eight at once, a test's time mostly process start-up and
+compilation, which the cores share. The call caps the pack and sizes each launch's cap to it ($GPU_PACK_LAUNCH_S;
+420 s when unset): a hung launch fails its own test, and the rest of the pack goes on.
 """
 
 import json
@@ -38,6 +39,7 @@ ONE_PROCESS = ["1gpu.yaml", "1gpu_compile.yaml"]
 ENGINES = ["fsdp.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"]
 TWO_PROCESS = ["2gpu.yaml", "2gpu_compile.yaml", *ENGINES]
 RECIPES = ["mnist", "gpt", "resnet", "finetune_lm", "linear_regression"]
+LAUNCH_S = float(os.environ.get("GPU_PACK_LAUNCH_S") or 420)  # one launch's cap: bench/gpu_call.py sizes it
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +85,7 @@ def gpu_launch(tmp_path, config, recipe, data, processes=None, sync_check=True):
     checked = sync_check and recipe != "linear_regression" and "deepspeed" not in config
     if checked:
         env["TEST_SYNC_DEBUG_STEPS"] = f"3:{every - 2}"
-    returncode, output = run_command(cmd, env=env, timeout=420)
+    returncode, output = run_command(cmd, env=env, timeout=LAUNCH_S)
     run = LaunchResult(returncode, output, out)
     assert returncode == 0, f"launch failed ({returncode}):\n{output[-6000:]}"
     if checked:
@@ -182,7 +184,7 @@ def test_pi_times_the_computation_not_its_launch(tmp_path):
     out = tmp_path / "pi"
     cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / "1gpu.yaml"), "--main_process_port",
            str(free_port()), "recipes/pi.py", "--intervals", "1e9", "--output-dir", str(out)]
-    returncode, output = run_command(cmd, timeout=300)
+    returncode, output = run_command(cmd, timeout=min(300, LAUNCH_S))
     assert returncode == 0, output[-4000:]
     [row] = LaunchResult(returncode, output, out).summary["results"]
     assert row["compute_seconds_per_rank"][0] >= 0.5 * row["seconds"], row

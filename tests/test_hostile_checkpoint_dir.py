@@ -12,14 +12,26 @@ import json
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from launching import CPU_SHIM, DATA_ARGS, FP32, REPO, TRAINING, check_exit, recipe_processes, run_command
+from launching import (
+    CPU_SHIM,
+    DATA_ARGS,
+    FP32,
+    REPO,
+    TRAINING,
+    check_exit,
+    recipe_processes,
+    run_command,
+    skip_unless_ci,
+)
 from run_checks import assert_refused
 from tampering import deflated
 
@@ -137,11 +149,32 @@ def test_dcp_storage_paths_stay_inside_the_checkpoint(launch, reference, tmp_pat
 
 # ---- 2. losing every real checkpoint to rotation --------------------------------------------------------------
 
+def another_engines(written, ckpt, step):
+    """Step `step` of the same run's flags as FSDP2 (a full state dict, 1 process) would have written it: its files
+    under FSDP's names (the model in torch's format, the buffers file), its manifest's layout FSDP's, every file
+    rehashed. Only its engine tells it from this run's own checkpoints."""
+    from safetensors.torch import load_file, save_file
+    plant = ckpt / f"step-{step:08d}"
+    shutil.copytree(written / "step-00000002", plant)
+    torch.save(load_file(plant / "model.safetensors"), plant / "pytorch_model_fsdp.bin")
+    (plant / "model.safetensors").unlink()
+    save_file({"running_mean": torch.zeros(1)}, plant / "rank-0.buffers.safetensors")
+    manifest = json.loads((plant / "checkpoint.json").read_text())
+    manifest["step"] = manifest["train_state"]["step"] = step
+    manifest["layout"] = {**manifest["layout"], "family": "fsdp", "zero_stage": None}
+    manifest["files"] = {}
+    (plant / "checkpoint.json").write_text(json.dumps(manifest))
+    for rel in sorted(p.name for p in plant.iterdir() if p.name != "checkpoint.json"):
+        rehash(plant, rel)
+
+
 def test_rotation_deletes_only_this_runs_older_checkpoints(written, data_dir, tmp_path):
     """Empty step-99999998 and step-99999999 and a step-00000001 link to someone's directory: the resumed run
     saves steps 6 and 8 with --keep-last 2 and keeps them, leaves the look-alikes (one warning), unlinks the link
-    and never touches what it points to."""
+    and never touches what it points to. A step 3 that FSDP2 wrote with the same flags is left alone too: only its
+    engine tells it apart (a mutation that let rotation count another engine's checkpoints survived the suite)."""
     ckpt = copy(written, tmp_path, 2, 4)
+    another_engines(written, ckpt, 3)
     (ckpt / "step-99999998").mkdir()
     (ckpt / "step-99999999").mkdir()
     theirs = tmp_path / "theirs"
@@ -151,8 +184,10 @@ def test_rotation_deletes_only_this_runs_older_checkpoints(written, data_dir, tm
     code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--keep-last", "2")
     assert code == 0, output[-3000:]
     assert "resumed from " + str(ckpt / "step-00000004") in output
-    assert sorted(os.listdir(ckpt)) == ["step-00000006", "step-00000008", "step-99999998", "step-99999999"]
-    one_line(output, "warning", f"left alone {ckpt / 'step-99999998'}, {ckpt / 'step-99999999'}")
+    assert sorted(os.listdir(ckpt)) == ["step-00000003", "step-00000006", "step-00000008", "step-99999998",
+                                        "step-99999999"]
+    one_line(output, "warning", f"left alone {ckpt / 'step-00000003'}, {ckpt / 'step-99999998'}, "
+                                f"{ckpt / 'step-99999999'}")
     assert (theirs / "data.txt").read_bytes() == SECRET
 
 
@@ -245,9 +280,10 @@ def test_a_tmp_dir_swapped_during_the_save_is_not_published(written, data_dir, t
         lines = []
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("TEST-SHIM: slow save"):
-                os.rename(ckpt / ".tmp-step-00000008", tmp_path / "moved")
-                os.symlink(theirs, ckpt / ".tmp-step-00000008")
+            if line.startswith("TEST-SHIM: slow save"):  # in .tmp-step-00000008.XXXXXXXX: a name of its own
+                saving = line.split(" in ", 1)[1].strip()
+                os.rename(saving, tmp_path / "moved")
+                os.symlink(theirs, saving)
         proc.wait(timeout=HANG_S)
     finally:
         if proc.poll() is None:
@@ -636,3 +672,179 @@ def test_resume_given_the_checkpoint_directory_takes_its_newest(written, data_di
     assert f"--resume {ckpt}: a directory of checkpoints; resuming from its newest complete one" in output
     one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000006'}")
     assert f"resumed from {ckpt / 'step-00000004'} (step 4" in output
+
+
+# ---- 14. another user beside this one in a shared directory with the sticky bit (issue 46) -----------------------
+
+ATTACKER = 12345  # the other user of the shared directory; the suite runs as root, so it can plant as them
+
+
+def needs_root():
+    if os.geteuid() != 0:
+        skip_unless_ci("needs root, to plant entries as another user")
+
+
+def shared(written, tmp_path, *steps):
+    """A directory of mode 1777 (docs/checkpoints.md: a shared directory) holding copies of this user's checkpoints."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o1777)
+    for step in steps:
+        shutil.copytree(written / f"step-{step:08d}", root / f"step-{step:08d}")
+    return root
+
+
+def as_attacker(path):
+    """`path` and everything under it made the other user's, as if they had written it."""
+    for p in [path, *path.rglob("*")]:
+        os.lchown(p, ATTACKER, ATTACKER)
+
+
+def attackers_checkpoint(written, root, step, zero=False):
+    """A checkpoint that verifies, planted by the other user: their own run of the same public command (a copy of
+    this user's step), its weights set to zero and rehashed when `zero`."""
+    from safetensors.torch import load_file, save_file
+    plant = root / f"step-{step:08d}"
+    shutil.copytree(written / plant.name, plant)
+    if zero:
+        save_file({k: torch.zeros_like(v) for k, v in load_file(plant / "model.safetensors").items()},
+                  plant / "model.safetensors")
+        rehash(plant, "model.safetensors")
+    as_attacker(plant)
+    return plant
+
+
+def live_lock(root):
+    """A .lock of the other user's, naming a live process of this host (this test's), fresh: it never goes stale."""
+    (root / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": None}))
+    as_attacker(root / ".lock")
+
+
+def snapshot(path):
+    """{relative path: bytes} of every file under `path`: what must stay as it was."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def same_model(exported, checkpoint):
+    """The exported model equals the checkpoint's, tensor for tensor (a resume is exact)."""
+    from safetensors.torch import load_file
+    mine, theirs = load_file(exported), load_file(checkpoint / "model.safetensors")
+    return set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_another_users_checkpoints_and_lock_are_passed_over(written, data_dir, tmp_path):
+    """In a shared directory (1777) with this user's steps 2 and 4, the other user plants checkpoints that verify:
+    step 6 (weights zeroed), step 8 (the last step), a step-99999999 holding only a manifest of another recipe, and a
+    live .lock of their own. Each is passed over with one line naming its owner; the run resumes its own step 4 (it
+    resumed the attacker's step 6, or said "already complete" at step 8, or refused on gpt.py or the lock), trains to
+    the uninterrupted run's exact weights, publishes its saves of steps 6 and 8 under names of their own (the plain
+    names are the other user's, which it cannot remove), rotates only its own, and touches none of theirs."""
+    needs_root()
+    root = shared(written, tmp_path, 2, 4)
+    attackers_checkpoint(written, root, 6, zero=True)
+    attackers_checkpoint(written, root, 8)
+    other = root / "step-99999999"
+    other.mkdir()
+    edit_to = json.loads((written / "step-00000008" / "checkpoint.json").read_text())
+    (other / "checkpoint.json").write_text(json.dumps({**edit_to, "recipe": "gpt", "files": {}}))
+    as_attacker(other)
+    live_lock(root)
+    before = {name: snapshot(root / name) for name in ("step-00000006", "step-00000008", "step-99999999")}
+    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(root), "--keep-last", "2")
+    assert code == 0, output[-3000:]
+    owner = f"belongs to uid {ATTACKER}, not to user root (uid 0): a run uses only its own user's files"
+    for name in ("step-00000006", "step-00000008", "step-99999999"):
+        one_line(output, "warning", f"skipping checkpoint {root / name}: it {owner}")
+    one_line(output, "warning", f"{root / '.lock'} {owner}")
+    assert f"resumed from {root / 'step-00000004'} (step 4" in output and "already complete" not in output
+    assert same_model(tmp_path / "resumed" / "model.safetensors", written / "step-00000008")
+    mine = sorted(p.name for p in root.iterdir() if p.name.startswith("step-") and p.stat().st_uid == 0)
+    assert [name[:13] for name in mine] == ["step-00000006", "step-00000008"] and all(len(n) == 22 for n in mine)
+    assert {name: snapshot(root / name) for name in before} == before
+    assert (root / ".lock").stat().st_uid == ATTACKER and not [p for p in root.iterdir() if p.name.startswith(
+        ".lock.")]
+
+
+def test_a_directory_of_another_users_entries_only_is_a_fresh_start(data_dir, tmp_path):
+    """The shared directory holds only the other user's entries: an empty step-00000001, 3,000 more empty step-*
+    directories and a live .lock. --resume auto starts fresh (it refused: "none of the 1 checkpoint(s) can be
+    used"), and the log names 10 of them and counts the rest in one line (100,000 entries made a 15 MB log)."""
+    needs_root()
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o1777)
+    for step in [1, *range(100000, 103000)]:
+        (root / f"step-{step:08d}").mkdir()
+        os.lchown(root / f"step-{step:08d}", ATTACKER, ATTACKER)
+    live_lock(root)
+    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(root))
+    assert code == 0, output[-3000:]
+    assert "resumed from" not in output and len(output) < 20000, output[-3000:]
+    assert len([line for line in output.splitlines() if f"uid {ATTACKER}" in line]) == 11, output[-3000:]
+    one_line(output, "warning", f"skipping checkpoint 2991 more entries in {root} (the first 10 are named above)")
+
+
+def test_another_users_checkpoint_given_by_path_is_one_error(written, data_dir, tmp_path):
+    """--resume naming the other user's checkpoint: one error naming the owner, nothing loaded."""
+    needs_root()
+    plant = attackers_checkpoint(written, shared(written, tmp_path), 6)
+    code, output = resume(data_dir, tmp_path, "--resume", str(plant))
+    refused(code, output, f"checkpoint {plant} cannot be used: checkpoint.json belongs to uid {ATTACKER}")
+    assert "resumed from" not in output
+
+
+# ---- 15. where results go: never where a manifest says (issue 46, item 2) ----------------------------------------
+
+def test_results_go_where_this_run_says_not_where_a_manifest_says(written, data_dir, tmp_path):
+    """The documented requeue (the same command, no --output-dir), on a directory whose newest checkpoint's manifest
+    names `ckpt/.results/$(id>>PWNED)` as its output directory (no checksum changes: the manifest is not hashed),
+    beside more planted entries: a step-99999999 holding a manifest of another recipe (it made every run exit 2),
+    a checkpoint recording a 20 GiB optimizer.bin (a sparse file), and 100 step
+    directories whose checkpoint.json is one 5 MB file hard-linked into each (10 of the 102 plants are named, the
+    rest counted). The results go to the recipe's default directory, where the run's own run.json is; summary.json
+    there, planted as a link to a file outside, is replaced, never written through; nothing carries the manifest's
+    string; the big files are never hashed nor parsed."""
+    work = tmp_path / "work"
+    work.mkdir()
+    ckpt = work / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    for step in (2, 4):
+        shutil.copytree(written / f"step-{step:08d}", ckpt / f"step-{step:08d}")
+    evil = "ckpt/.results/$(id>>PWNED)"
+    edit(ckpt / "step-00000004", lambda m: m["train_state"].update(output_dir=evil))
+    run_id = json.loads((ckpt / "step-00000004" / "checkpoint.json").read_text())["train_state"]["run_id"]
+    sparse = ckpt / "step-00000500"
+    shutil.copytree(written / "step-00000006", sparse)
+    with open(sparse / "optimizer.bin", "r+b") as f:
+        f.truncate(20 << 30)
+    edit(sparse, lambda m: m["files"]["optimizer.bin"].update(size=20 << 30))
+    other = ckpt / "step-99999999"  # one mkdir and a manifest of another recipe: skipped, not a refusal of the run
+    other.mkdir()
+    (other / "checkpoint.json").write_text(json.dumps({**json.loads(
+        (written / "step-00000008" / "checkpoint.json").read_text()), "recipe": "gpt", "files": {}}))
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"pad": "x" * (5 << 20)}))
+    for step in range(100, 200):
+        (ckpt / f"step-{step:08d}").mkdir()
+        os.link(big, ckpt / f"step-{step:08d}" / "checkpoint.json")
+    results = work / "runs" / "mnist" / "1proc"
+    results.mkdir(parents=True)
+    (results / "run.json").write_text(json.dumps({"run_id": run_id, "recipe": "mnist"}))
+    bashrc = tmp_path / "bashrc"
+    bashrc.write_bytes(SECRET)
+    os.symlink(bashrc, results / "summary.json")
+    cmd = command(data_dir, "unused", "--checkpoint-dir", "ckpt", "--keep-last", "0")
+    del cmd[cmd.index("--output-dir"):cmd.index("--output-dir") + 2]
+    code, output = run_command(cmd, cwd=work, timeout=HANG_S)
+    assert code == 0, output[-3000:]
+    assert f"resumed from {Path('ckpt') / 'step-00000004'} (step 4" in output
+    one_line(output, "warning", "skipping checkpoint ckpt/step-00000500: its checkpoint.json records 21.5 GB of files, "
+                                "more than a checkpoint of this model holds")
+    one_line(output, "warning", "skipping checkpoint ckpt/step-99999999: checkpoint.json does not list")
+    one_line(output, "warning", "skipping checkpoint ckpt/step-00000199: checkpoint.json is over 4 MB")
+    one_line(output, "warning", "skipping checkpoint 92 more entries in ckpt (the first 10 are named above)")
+    assert bashrc.read_bytes() == SECRET and not (results / "summary.json").is_symlink()
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["output_dir"] == "runs/mnist/1proc" and "$(" not in (results / "summary.json").read_text()
+    assert not (ckpt / ".results").exists() and not list(work.rglob("PWNED"))
+    assert same_model(results / "model.safetensors", written / "step-00000008")

@@ -177,7 +177,7 @@ def test_every_manifest_field_is_checked_for_type_and_range(tmp_path):
 def test_train_state_fields_are_checked_for_type_and_range():
     """Issue 36, M1 and M2: what Run writes, field by field (train_state.TRAIN_STATE)."""
     state = {"step": 2, "epoch": 0, "step_in_epoch": 2, "epochs_run": 1, "first_loss": 2.5, "final_loss": None,
-             "last_eval": None, "train_time": 1.5, "output_dir": "out", "stopped": False,
+             "last_eval": None, "train_time": 1.5, "output_dir": "out", "stopped": False, "run_id": "0f" * 16,
              "window": {"loss_sums": [1.0, 2.0], "micro": 1, "data_time": 0.1, "compute_time": 0.2}}
     layout = {**LAYOUT, "world_size": 2}
     assert train_state.state_problem(manifest_with(train_state=state, layout=layout)) is None
@@ -186,6 +186,9 @@ def test_train_state_fields_are_checked_for_type_and_range():
              ({**state, "train_time": -1.0}, "its train_state's train_time -1.0 is not of the type"),
              ({**state, "step": 3}, "its train_state's step 3 is not its step 2"),
              ({**state, "stopped": 1}, "its train_state's stopped 1 is not of the type"),
+             ({**state, "run_id": "$(id)"}, "its train_state's run_id '$(id)' is not of the type"),
+             # An evaluation's figures reach summary.json: numbers only, never a string from a checkpoint.
+             ({**state, "last_eval": {"step": 2, "test_loss": "$(id>>PWNED)"}}, "its train_state's last_eval"),
              ({**state, "window": {**state["window"], "loss_sums": [1.0]}}, "holds 1 loss sums for 2 processes"),
              ({**state, "window": {**state["window"], "micro": None}}, "its train_state's micro None is not")]
     for bad, words in cases:

@@ -27,6 +27,8 @@ import pytest
 import torch
 
 from launching import (
+    CPU_SHIM,
+    DATA_ARGS,
     FP32,
     LORA,
     LORA_PRECISION,
@@ -59,13 +61,22 @@ class OneRank:
         return tensor
 
 
-def test_stop_agreement_at_every_call_and_never_without_signals():
+def test_stop_agreement_at_every_call_and_never_without_signals(capfd):
     """agreed() checks whenever it is called (run.py decides where: the ranks make the same calls, so all check
-    together); with --stop-signals '' there is nothing to agree on, so no collective at all."""
+    together); with --stop-signals '' there is nothing to agree on, so no collective at all. Before training begins
+    a stop signal ends the run at once, with one line (it was remembered while minutes of loading went on)."""
     previous = signal.getsignal(signal.SIGUSR2)
     try:
         rank = OneRank()
+        stopper = GracefulStop("USR2", "ckpt")
+        with pytest.raises(SystemExit) as stopped:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            time.sleep(5)  # the handler raises as soon as Python regains control; never waits this out
+        assert stopped.value.code == 75 and capfd.readouterr().err == (
+            "stopped by SIGUSR2 before training began: nothing was trained, nothing to save; run the same command "
+            "again (exit code 75)\n")
         stopper = GracefulStop("USR2")
+        stopper.begin()
         assert [stopper.agreed(rank) for _ in range(3)] == [False, False, False] and rank.reductions == 3
         os.kill(os.getpid(), signal.SIGUSR2)  # the handler only remembers it
         assert stopper.received == "SIGUSR2"
@@ -125,8 +136,8 @@ def test_how_to_stop_under_a_launcher_names_the_stop_command(outside_any_launche
     assert pid != os.getpid() and trained == "trained on"  # the worker's own pid, not the launcher's
 
 
-# A run as stopping.py's command sees one: its command line names --checkpoint-dir, it holds the directory's lock, and
-# on SIGTERM it saves a checkpoint marked as the stop's and exits 75 (FAKE_STOP=crash: it dies without saving).
+# A run as stopping.py's command sees one: it holds the directory's lock open (dirlock.py's mark), and on SIGTERM it
+# saves a checkpoint marked as the stop's and exits 75 (FAKE_STOP=crash: it dies without saving; =ignore: it goes on).
 FAKE_RUN = """
 import json, os, signal, socket, sys, time
 directory = sys.argv[sys.argv.index("--checkpoint-dir") + 1]
@@ -139,22 +150,23 @@ def stop(signum, frame):
         json.dump({"step": 7, "train_state": {"step": 7, "stopped": True, "output_dir": "out"}}, f)
     os.unlink(lock)
     sys.exit(75)
-signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_STOP") == "ignore" else stop)
 with open(lock, "w") as f:
     json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job": None}, f)
+held = open(lock)
 print("holding", directory, flush=True)
 time.sleep(120)
 """
 
 
-def stop_command(directory):
-    return subprocess.run([sys.executable, "recipes/runkit/stopping.py", str(directory)], cwd=REPO,
+def stop_command(directory, *extra):
+    return subprocess.run([sys.executable, "recipes/runkit/stopping.py", str(directory), *extra], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 
-def fake_run(directory, crash=False):
-    directory.mkdir()
-    env = dict(os.environ, FAKE_STOP="crash" if crash else "")
+def fake_run(directory, crash=False, stop=""):
+    directory.mkdir(exist_ok=True)
+    env = dict(os.environ, FAKE_STOP="crash" if crash else stop)
     proc = subprocess.Popen([sys.executable, "-c", FAKE_RUN, "--checkpoint-dir", str(directory)], env=env,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("holding"), "the fake run did not start"
@@ -173,28 +185,76 @@ def test_stop_command_stops_the_run_holding_the_directory_and_exits_75(tmp_path)
 
 
 def test_stop_command_says_when_the_run_ended_without_saving(tmp_path):
+    """The directory already holds the checkpoint of an earlier stop (step 5, marked as a stop's), and the run dies
+    without saving: that older checkpoint is not this stop's, exit 1 (it was reported as saved, exit 75)."""
+    earlier = tmp_path / "ckpt" / "step-00000005"
+    earlier.mkdir(parents=True)
+    (earlier / "checkpoint.json").write_text(json.dumps({"step": 5, "train_state": {"step": 5, "stopped": True}}))
     run = fake_run(tmp_path / "ckpt", crash=True)
     out = stop_command(tmp_path / "ckpt")
-    assert run.wait(timeout=60) == 1 and out.returncode == 1
+    assert run.wait(timeout=60) == 1 and out.returncode == 1, (out.stdout, out.stderr)
     assert f"error: pid {run.pid} ended without saving a checkpoint for the stop" in out.stderr, out.stderr
+    assert f"the newest checkpoint in {tmp_path / 'ckpt'} is {earlier}" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("lock", ["none", "not a run on it", "another host", "a Slurm job"])
+def test_stop_command_waits_a_bounded_time_and_says_so(tmp_path):
+    """A run that does not act on SIGTERM: the command gives up after --wait seconds with one line, exit 1, and the
+    run lives on (it waited forever)."""
+    run = fake_run(tmp_path / "ckpt", stop="ignore")
+    try:
+        out = stop_command(tmp_path / "ckpt", "--wait", "1")
+        assert out.returncode == 1 and f"error: pid {run.pid} is still running 1 s after SIGTERM" in out.stderr, \
+            (out.stdout, out.stderr)
+        assert run.poll() is None
+    finally:
+        run.kill()
+        run.wait()
+
+
+def test_stop_command_says_what_it_cannot_see(tmp_path, monkeypatch):
+    """A user's own run whose /proc entries that user cannot read (permission denied, as for a process that dropped
+    its dumpable flag; root reads everything, so /proc's answer is played here): the command says so and signals
+    nothing (it said the live pid was "no run any more")."""
+    import runkit.stopping as stopping
+    run = fake_run(tmp_path / "ckpt")
+    listdir = os.listdir
+
+    def denied(path):
+        if str(path).startswith("/proc/"):
+            raise PermissionError(13, "Permission denied")
+        return listdir(path)
+    try:
+        monkeypatch.setattr(stopping.os, "listdir", denied)
+        pid, problem = stopping._holder_pid(str(tmp_path / "ckpt"))
+        assert pid is None and f"names pid {run.pid}, which is alive but that this user cannot look into" in problem
+        assert run.poll() is None
+    finally:
+        run.kill()
+        run.wait()
+
+
+@pytest.mark.parametrize("lock", ["none", "not a run on it", "another host", "a Slurm job", "another user's"])
 def test_stop_command_signals_no_process_but_a_run_on_the_directory(tmp_path, lock):
-    """The lock is a file on shared storage: untrusted. A pid it names is signalled only if that process is a run on
-    this directory of this host; otherwise one line says why, exit 2, and the process named lives on."""
+    """The lock is a file on shared storage: untrusted. A pid it names is signalled only if that process holds this
+    directory's lock open (the run's own mark) on this host, and the lock is this user's: not for a command line
+    that merely names the directory (one was killed with 143); otherwise one line says why, exit 2, and the process
+    named lives on."""
     directory = tmp_path / "ckpt"
     directory.mkdir()
-    bystander = subprocess.Popen(["sleep", "120"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "--checkpoint-dir",
+                                  str(directory)])
     try:
         fields = {"host": socket.gethostname(), "pid": bystander.pid, "job": None}
         fields.update({"another host": {"host": "elsewhere"}, "a Slurm job": {"job": "4242"}}.get(lock, {}))
         if lock != "none":
             (directory / ".lock").write_text(json.dumps(fields))
+        if lock == "another user's":
+            os.chown(directory / ".lock", 12345, 12345)
         out = stop_command(directory)
         assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
         said = {"none": f"no run holds {directory}",
-                "not a run on it": f"names pid {bystander.pid}, which is no run on",
+                "another user's": f"no run holds {directory}",
+                "not a run on it": f"names pid {bystander.pid}, which is alive but does not hold that lock",
                 "another host": f"runs on elsewhere (pid {bystander.pid}): run this command there",
                 "a Slurm job": "is Slurm job 4242: stop it with scancel --signal=TERM --full 4242"}[lock]
         assert out.stderr.startswith("stopping.py: error: ") and said in out.stderr, out.stderr
@@ -297,6 +357,63 @@ def test_single_process_exit_code_on_stop(data_dir, tmp_path, checkpoints, code)
         assert "no --checkpoint-dir was given, so this progress is lost" in output
 
 
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_naming_the_checkpoint_to_resume(data_dir, tmp_path):
+    """Ctrl-C (SIGINT) in `python recipes/mnist.py` once a checkpoint exists: no traceback, one line naming that
+    checkpoint, exit 130 (it printed a KeyboardInterrupt traceback and named nothing)."""
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "recipes/mnist.py", "--data", "synthetic", "--data-dir", str(data_dir), *DATA_ARGS,
+           "--output-dir", str(tmp_path / "out"), "--checkpoint-dir", str(ckpt), "--epochs", "50",
+           "--checkpoint-every", "2", "--log-every", "1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("checkpoint saved: "):
+                saved = line.split()[2]
+                break
+        proc.send_signal(signal.SIGINT)
+        output = "".join(seen) + proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    line = [x for x in output.splitlines() if x.startswith("interrupted (Ctrl-C) at step ")]
+    assert len(line) == 1 and "nothing more is saved; the newest checkpoint is " in line[0], output[-3000:]
+    newest = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))[-1]
+    assert line[0].split("the newest checkpoint is ")[1].startswith(f"{ckpt / newest}: run the same command again")
+    assert saved.startswith(str(ckpt))
+
+
+@pytest.mark.slow
+def test_a_stop_while_data_loads_ends_the_run_at_once(data_dir, tmp_path):
+    """SIGTERM while the run reads its data, before its first step (the test shim holds MNIST's loading for 300 s):
+    nothing to save, so the run ends at once with one line and exit 75, its lock released (it remembered the signal
+    and loaded on, then trained until a SIGKILL)."""
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "recipes/mnist.py", "--data", "synthetic", "--data-dir", str(data_dir), *DATA_ARGS,
+           "--output-dir", str(tmp_path / "out"), "--checkpoint-dir", str(ckpt)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(CPU_SHIM), TEST_SLOW_DATA_SECONDS="300")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("TEST-SHIM: slow data"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        output = "".join(seen) + proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "TEST-SHIM: slow data" in output and proc.returncode == 75, output[-3000:]
+    assert ("stopped by SIGTERM before training began: nothing was trained, nothing to save; run the same command "
+            "again (exit code 75)") in output.splitlines() and "Traceback" not in output, output[-3000:]
+    assert not (ckpt / ".lock").exists()
+
+
 def assert_intact(ckpt, names):
     """Each checkpoint complete and unchanged: every file its manifest lists has the recorded SHA-256."""
     for name in names:
@@ -356,15 +473,17 @@ def test_kill_during_save_keeps_previous_checkpoint(start, launch, reference, tm
     for pid in run.leftovers():  # the whole run at once, as a node failure would
         os.kill(pid, signal.SIGKILL)
     run.finish(deadline=60)
-    # The lock of the killed run stays behind; its holder is dead, so the next run takes it over.
-    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", ".tmp-step-00000010", "step-00000005"]
+    # The lock of the killed run stays behind; its holder is dead, so the next run takes it over. The save in
+    # progress is .tmp-step-00000010.XXXXXXXX, a name of its own.
+    (unfinished,) = [p.name for p in ckpt.glob(".tmp-step-00000010.*")]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", unfinished, "step-00000005"]
 
     resumed = launch("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt), launch_args=FP32)
-    assert f"removing {ckpt / '.tmp-step-00000010'}: a save that never finished" in resumed.output
+    assert f"removing {ckpt / unfinished}: a save that never finished" in resumed.output
     assert f"taking over {ckpt / '.lock'}: its holder, pid" in resumed.output
     assert f"resumed from {ckpt / 'step-00000005'}" in resumed.output
     assert_identical_params(ref.params(), resumed.params())
-    assert not (ckpt / ".tmp-step-00000010").exists()  # replaced by the complete step 10
+    assert not (ckpt / unfinished).exists() and (ckpt / "step-00000010").is_dir()  # the complete step 10
     assert not (ckpt / ".lock").exists()  # released at the end
 
 
@@ -385,7 +504,8 @@ def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, lau
     assert second.returncode == 1, second.output[-3000:]
     assert f"--checkpoint-dir {ckpt} is in use by pid {holder['pid']} on {holder['host']}" in second.output
     assert run.proc.poll() is None  # the holder trains on, its directory untouched
-    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", ".tmp-step-00000010", "step-00000005"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", *[p.name for p in ckpt.glob(".tmp-step-00000010.*")],
+                                                      "step-00000005"] and list(ckpt.glob(".tmp-step-00000010.*"))
 
     os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone
     end = time.monotonic() + 30

@@ -11,6 +11,8 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     safe_loading.py  what a checkpoint file may contain: loading that never runs code, memory bounded by size
     train_state.py   the training state a manifest holds: its fields, types and ranges, checked before a resume
     dirlock.py       one writer per --checkpoint-dir
+    owners.py        whose entries in a shared --checkpoint-dir a run may use, and how many it looks at
+    results.py       where results go (run.json: which run writes a directory) and writing them without following links
     collectives.py   verdicts every rank reaches together: the main process's result, the first rank's problem
     sharded_model.py run.sharded_init(): the model built sharded under ZeRO-3 and FSDP
     stopping.py      stop signals, the agreement between ranks, exit code 75, dying with the launcher

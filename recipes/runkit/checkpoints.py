@@ -9,9 +9,11 @@ Layout of --checkpoint-dir:
     step-00000120/      a complete checkpoint: accelerate's save_state files plus
                         checkpoint.json (training state, world size, and the size and
                         SHA-256 of every file), written last
-    .tmp-step-00000130/ a save in progress, or one a crash interrupted: never loaded,
-                        removed by the next run once it holds the lock (a link: unlinked)
-    .lock               the run that writes here: host, pid, Slurm job id (one writer per directory)
+    step-00000120.k3x9a2q7/  the same, published under a name of its own when another user holds step-00000120
+    .tmp-step-00000130.XXXXXXXX/ a save in progress (a name no one can plant beforehand), or one a crash
+                        interrupted: never loaded, removed by the next run once it holds the lock
+    .lock               the run that writes here: host, pid, Slurm job id (one writer per directory;
+                        dirlock.py: a lock of this user's own name where another user holds .lock)
 
     step-00000120/universal/  derived, not saved: a ZeRO checkpoint's state as DeepSpeed's universal
                         checkpoint, made by the first resume on another world size, with a manifest of its
@@ -27,14 +29,18 @@ hashing, and loading never runs code from a file (integrity.py).
 Others may write into --checkpoint-dir (docs/checkpoints.md, the threat model): a save writes into a
 .tmp directory it created (mode 0700) and publishes it only if it is still that directory; rotation
 deletes only checkpoints this run family wrote, older than the one just saved, and never follows a link.
+Another user's entries (a shared directory with the sticky bit) are passed over by every step here, and
+what planted entries can cost is bounded (owners.py).
 """
 
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
 import sys
+import tempfile
 import time
 
 from accelerate.utils import DistributedType, gather_object
@@ -56,6 +62,7 @@ from .integrity import (
     remove_entry,
     write_manifest,
 )
+from .owners import INSPECTED, SHOWN, Passed, theirs
 from .resharding import (
     load_rank_buffers,
     loading_universal,
@@ -70,47 +77,80 @@ from .resume_rules import checkpoint_kind, incompatibility, layout, reshaped
 from .safe_loading import UnsafeCheckpointFile, weights_only_loading
 from .train_state import state_problem
 
-NAME = re.compile(r"^step-(\d{8})$")
+# A checkpoint's name: its step, and a suffix of its own when another user's entry holds the plain name.
+NAME = re.compile(r"^step-(\d{8})(?:\.[0-9a-z]{8})?$")
 
 
 def lock_directory(accelerator, directory, resume="auto", recipe=None):
     """Collective, at start-up, before any data or model is loaded: take --checkpoint-dir's lock (one writer per
     directory) on the main process, so that a second run on it stops in seconds; and refuse a checkpoint the resume
-    would take that another recipe or engine wrote (the main process reads its manifest). Returns the lock (main
-    process; None without --checkpoint-dir)."""
-    lock, error = None, None
+    would take that another recipe or engine wrote (the main process reads its manifest). Returns (the lock: the main
+    process's, None elsewhere and without --checkpoint-dir; the (path, manifest) the resume would take as far as
+    manifests tell, on every rank, or None)."""
+    lock, error, peeked = None, None, None
     if accelerator.is_main_process:
         lock, error = take(directory) if directory else (None, None)
-        error = error or _written_by_another(accelerator, directory, resume, recipe)
+        peeked = None if error or resume == "none" else peek(directory, resume)
+        error = error or (peeked and _written_by_another(accelerator, *peeked, recipe))
         if error and lock:
             lock.release()
-    main_process_result(accelerator, (None, error))
-    return lock
+    return lock, main_process_result(accelerator, (peeked, error))
 
 
-def _written_by_another(accelerator, directory, resume, recipe):
-    """Main process: None, or why the checkpoint --resume would take cannot be this run's, from its manifest alone:
-    another recipe wrote it, or another engine (its files differ). The full checks come once the model is built."""
-    if resume == "none":
-        return None
+def peek(directory, resume):
+    """Main process: (path, manifest) of the checkpoint --resume would take, from manifests and sizes alone (the
+    newest of this user's step-* that holds exactly the files its manifest lists; or the one --resume names), or
+    None. The checksums and the checks that need the model come once it is built; what is passed over here is named
+    then. It decides nothing for good: the start-up refusal of another recipe's or engine's checkpoint, and where
+    the results go (run.py), which choose() confirms."""
     root = directory if resume == "auto" else resume
-    try:
-        names = sorted((n for n in os.listdir(root) if NAME.match(n)), reverse=True) if root else []
-        paths = [resume] if resume != "auto" and os.path.lexists(os.path.join(resume, MANIFEST)) else [
-            os.path.join(root, n) for n in names]
-    except OSError:
-        return None  # choose() says what is wrong with it
+    if not root:
+        return None
+    if resume != "auto" and os.path.lexists(os.path.join(resume, MANIFEST)):
+        paths = [resume]
+    else:
+        paths = [path for _, path in own_steps(root, None)]
     for path in paths:
         try:
-            manifest = read_manifest(path, contents=False)
+            manifest = read_manifest(path, contents=path != resume)
         except (OSError, ValueError):
             continue
-        other = manifest.get("recipe")
-        if recipe and other and other != recipe:
-            return f"cannot resume from {path}: it was written by {other}.py, and this is {recipe}.py. Give a " \
-                   f"checkpoint of {recipe}.py, or another --checkpoint-dir."
-        return _check_layout(path, manifest, layout(accelerator))
+        # The files a save of its layout writes (a recipe of one model, optimizer and scheduler): a planted
+        # manifest listing none is passed over here, and named when the run chooses.
+        if path == resume or not files_problem(manifest):
+            return path, manifest
     return None
+
+
+def _written_by_another(accelerator, path, manifest, recipe):
+    """Main process: None, or why the checkpoint at `path` cannot be this run's, from its manifest alone: another
+    recipe wrote it, or another engine (its files differ)."""
+    other = manifest.get("recipe")
+    if recipe and other and other != recipe:
+        return f"cannot resume from {path}: it was written by {other}.py, and this is {recipe}.py. Give a " \
+               f"checkpoint of {recipe}.py, or another --checkpoint-dir."
+    return _check_layout(path, manifest, layout(accelerator))
+
+
+def own_steps(directory, passed):
+    """[(step, path)] of this user's step-* directories in `directory`, newest first, at most owners.INSPECTED of
+    them ([] when it cannot be listed). Another user's entries are passed over (passed.add, naming the owner, when
+    `passed` is given), and so are those beyond the bound, counted in one line; neither is ever counted or read."""
+    found = []
+    for step, path in reversed(_steps(directory)):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if theirs(st):
+            if passed:
+                passed.add(path, f"it {theirs(st)}")
+            continue
+        found.append((step, path))
+    if len(found) > INSPECTED and passed:
+        print(f"warning: {directory} holds {len(found)} step-* entries of this user's; only the newest {INSPECTED} "
+              f"were looked at (remove the others)", file=sys.stderr, flush=True)
+    return found[:INSPECTED]
 
 
 def _check_layout(path, manifest, now):
@@ -131,8 +171,13 @@ class Checkpointer:
         self.must_match, self.model, self.lock, self.recipe = must_match, model, lock, recipe
         self.layout = layout(accelerator)
         self.reshaped = []  # what the resume changed (world size, --grad-accum) and the rules that applied
-        self.last_saved_step = None
-        self.reported = set()  # step-* entries rotation left alone, each reported once
+        self.last_saved_step, self.newest = None, None  # the newest checkpoint this run wrote or resumed: its path
+        self.left_alone = set()  # step-* entries rotation left alone, each reported once
+        self.passed = Passed("skipping checkpoint")  # entries not used: another user's, damaged; each named once
+        # What a checkpoint of this model can hold (its files' recorded sizes together): 40 bytes per parameter
+        # (fp32 weights, two Adam moments, DeepSpeed's half-precision and master copies) and 64 MB besides (the RNG
+        # states, the scheduler, DeepSpeed's extras). A planted manifest recording more is never hashed.
+        self.size_limit = 40 * sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) + (64 << 20)
         self.verified = set()  # checkpoints in --checkpoint-dir whose every file this run checked or wrote
         self.held = None  # the checkpoint choose() verified, held until load() has read it
         self.times = {"saves": 0, "save_write_s": 0.0, "save_checksum_s": 0.0, "resume_verify_s": None,
@@ -165,36 +210,34 @@ class Checkpointer:
     def save(self, step, train_state):
         """Collective: write step-NNNNNNNN, verify and publish it, then rotate the older ones."""
         acc, name = self.accelerator, f"step-{step:08d}"
-        final, tmp = os.path.join(self.directory, name), os.path.join(self.directory, f".tmp-{name}")
+        final = os.path.join(self.directory, name)
         main_process_result(acc, (None, self.lock.lost() if self.lock else None))  # another run took the directory over
         started = time.perf_counter()
-        made = self._fresh_tmp(tmp, final)
+        tmp, made = self._fresh_tmp(name, final)
         self._write_state(tmp, final)
         written = time.perf_counter()
         shares = self._hash_shares(tmp)
-        self._publish(tmp, final, made, shares, {"step": step, "layout": self.layout, "must_match": self.must_match,
-                                                 "train_state": train_state, **({"recipe": self.recipe} if self.recipe
-                                                                               else {})})
-        self.last_saved_step = step
+        final = self._publish(tmp, final, made, shares, {
+            "step": step, "layout": self.layout, "must_match": self.must_match, "train_state": train_state,
+            **({"recipe": self.recipe} if self.recipe else {})})
+        self.last_saved_step, self.newest = step, final
         self.verified.add(final)
         self._count_save(final, started, written)
         if acc.is_main_process and self.keep_last:
             self._rotate(step, final)
 
-    def _fresh_tmp(self, tmp, final):
-        """Collective: the main process makes `tmp` anew, only this user writing in it; returns its identity
-        there (None on the other ranks)."""
-        made, error = None, None
+    def _fresh_tmp(self, name, final):
+        """Collective: the main process makes a new directory .tmp-step-N.XXXXXXXX (mode 0700, a name no one can
+        plant beforehand); returns (its path, its identity there: None on the other ranks) on every rank."""
+        made, error, tmp = None, None, None
         if self.accelerator.is_main_process:
             try:
-                remove_entry(tmp)  # left by a run killed while saving this step, or a planted link
-                os.mkdir(tmp, 0o700)  # only this user writes in it
+                tmp = tempfile.mkdtemp(prefix=f".tmp-{name}.", dir=self.directory)  # mode 0700: only this user
                 made = _identity(tmp)
             except OSError as exc:
-                error = f"saving checkpoint {final} failed: cannot create {tmp} ({exc}); the earlier checkpoints " \
-                        f"are untouched"
-        main_process_result(self.accelerator, (None, error))
-        return made
+                error = f"saving checkpoint {final} failed: cannot create a directory in {self.directory} ({exc}); " \
+                        f"the earlier checkpoints are untouched"
+        return main_process_result(self.accelerator, (tmp, error)), made
 
     def _write_state(self, tmp, final):
         """Collective: every rank writes its part (accelerate's save_state, FSDP's per-rank buffers) and its
@@ -230,15 +273,16 @@ class Checkpointer:
 
     def _publish(self, tmp, final, made, shares, manifest):
         """Collective: the main process completes the manifest with every file's size and checksum, writes it
-        last and renames `tmp` to `final`, the moment the checkpoint becomes visible; on an error every rank
-        fails, and the earlier checkpoints are untouched."""
+        last and renames `tmp` to `final` (or to a name of its own where another user holds `final`), the moment
+        the checkpoint becomes visible; returns the checkpoint's path on every rank. On an error every rank fails,
+        and the earlier checkpoints are untouched."""
         error = None
         if self.accelerator.is_main_process:
             try:
                 files = self._file_table(tmp, *shares)
                 self._still_ours(tmp, made, final)
                 write_manifest(tmp, {**manifest, "files": files})
-                remove_entry(final)  # an older save of this very step (a rerun), or a planted link
+                final = self._free_name(final)
                 self._still_ours(tmp, made, final)
                 os.replace(tmp, final)  # the moment the checkpoint becomes visible
                 fsync(self.directory)
@@ -248,7 +292,22 @@ class Checkpointer:
                     shutil.rmtree(tmp, ignore_errors=True)  # a full disk: give back what this save took
             except RuntimeError as exc:
                 error = str(exc)
-        main_process_result(self.accelerator, (None, error))
+        return main_process_result(self.accelerator, (final, error))
+
+    def _free_name(self, final):
+        """Main process: where to publish: `final`, after removing what this user has there (an older save of this
+        very step, or a planted link); or, where another user's entry holds that name (a shared directory with the
+        sticky bit: it cannot be removed), `final` with a suffix of its own, saying so once."""
+        try:
+            st = os.lstat(final)
+        except FileNotFoundError:
+            return final
+        if not theirs(st):
+            remove_entry(final)
+            return final
+        other = f"{final}.{secrets.token_hex(4)}"
+        self.passed.add(final, f"it {theirs(st)}; this save is published as {other}")
+        return other
 
     def _file_table(self, tmp, tables, seen):
         """Main process: {rel: {size, sha256}} of every file of the save, from the ranks' tables; refuses a
@@ -293,9 +352,8 @@ class Checkpointer:
         and sizes; a step-* link is unlinked, never followed; anything else is left alone and reported once. So a
         planted or damaged look-alike never takes the place of a real checkpoint, which is then deleted."""
         counted, strange = [], []
-        for name in sorted(os.listdir(self.directory), reverse=True):
-            m, path = NAME.match(name), os.path.join(self.directory, name)
-            if not m or path == final:
+        for named_step, path in own_steps(self.directory, self.passed):
+            if path == final:
                 continue
             try:
                 st = os.lstat(path)
@@ -307,7 +365,7 @@ class Checkpointer:
             except OSError:
                 continue
             kept = len(counted) < self.keep_last - 1  # the one just saved counts as kept
-            problem = self._rotation_problem(path, st, int(m.group(1)), step, checksums=kept)
+            problem = self._rotation_problem(path, st, named_step, step, checksums=kept)
             (strange if problem else counted).append(path)
         for old in counted[max(0, self.keep_last - 1):]:
             try:
@@ -315,18 +373,25 @@ class Checkpointer:
             except OSError as exc:  # the new checkpoint is complete: a warning, not an error
                 print(f"warning: --keep-last {self.keep_last}: saved {final}, but could not remove the older "
                       f"checkpoint {old} ({exc}); remove it by hand", file=sys.stderr, flush=True)
-        new = [p for p in sorted(strange) if p not in self.reported]
-        if new:
-            self.reported.update(new)
-            print(f"warning: --keep-last {self.keep_last}: left alone {', '.join(new)}: not a checkpoint this run "
-                  f"wrote before {final} (it does not verify, or another run or layout wrote it, or a later step); "
-                  f"remove it by hand if it is yours", file=sys.stderr, flush=True)
+        self._report_left_alone(strange, final)
+
+    def _report_left_alone(self, strange, final):
+        """One warning naming the look-alikes rotation left alone that no earlier warning named (at most
+        owners.SHOWN of them by name, the rest counted)."""
+        new = [p for p in sorted(strange) if p not in self.left_alone]
+        if not new:
+            return
+        self.left_alone.update(new)
+        more = f" and {len(new) - SHOWN} more" if len(new) > SHOWN else ""
+        print(f"warning: --keep-last {self.keep_last}: left alone {', '.join(new[:SHOWN])}{more}: not a checkpoint "
+              f"this run wrote before {final} (it does not verify, or another run or layout wrote it, or a later "
+              f"step); remove it by hand if it is yours", file=sys.stderr, flush=True)
 
     def _rotation_problem(self, path, st, named_step, step, checksums):
         """Main process: None if the directory at `path` (lstat `st`) is a checkpoint of this run family older than
         `step`, which verifies: this user's directory, its manifest valid for this run and its name, its files
         exactly those listed at their sizes, and (checksums) every file's checksum and format."""
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        if not stat.S_ISDIR(st.st_mode) or theirs(st):
             return "not a directory of this user's"
         try:
             manifest = read_manifest(path)
@@ -345,8 +410,13 @@ class Checkpointer:
 
     def _manifest_problem(self, manifest):
         """None, or why a manifest that read_manifest accepts is not one this run's save would have written: its
-        train_state (train_state.py), and its files, exactly those its engine and layout write for this run."""
+        train_state (train_state.py), its files, exactly those its engine and layout write for this run, and their
+        sizes together, at most what a checkpoint of this model holds (size_limit: nothing beyond it is hashed)."""
         acc = self.accelerator
+        total = sum(want["size"] for want in manifest["files"].values())
+        if total > self.size_limit:
+            return f"its {MANIFEST} records {total / 1e9:.3g} GB of files, more than a checkpoint of this model " \
+                   f"holds ({self.size_limit / 1e9:.3g} GB at most)"
         return state_problem(manifest) or files_problem(
             manifest, len(acc._models), len(acc._optimizers), len(acc._schedulers))
 
@@ -357,8 +427,10 @@ class Checkpointer:
         acc = self.accelerator
         started = time.perf_counter()
         result = (None, None)
+        where = self.directory if spec == "auto" else spec
         if acc.is_main_process:
             result = self._refuse_fresh_start() if spec == "none" else self._candidates(spec)
+            self.passed.close(where)
         candidates, held, fall_back = main_process_result(acc, result) or ([], 0, False)
         for path, manifest in candidates:
             self._check_compatible(path, manifest)
@@ -380,9 +452,10 @@ class Checkpointer:
                 fail(acc, f"checkpoint {path} cannot be used: {damage}. Pick another one, or --resume auto "
                           f"for the newest complete one.")
             if acc.is_main_process:
-                print(f"warning: skipping checkpoint {path}: {damage}", file=sys.stderr, flush=True)
-        if held:  # starting fresh would rotate them away
-            where = self.directory if spec == "auto" else spec
+                self.passed.add(path, damage)
+        if acc.is_main_process:
+            self.passed.close(where)
+        if held:  # this user's checkpoints: starting fresh would rotate them away
             fail(acc, f"--resume {spec}: none of the {held} checkpoint(s) in {where} can be used (the warnings above "
                       f"say why). Give another --checkpoint-dir, or remove them.")
         return None
@@ -441,7 +514,7 @@ class Checkpointer:
         acc = self.accelerator
         set_micro_batch_counter(acc, manifest["step"])
         self.times["resume_load_s"] = time.perf_counter() - started
-        self.last_saved_step = manifest["step"]
+        self.last_saved_step, self.newest = manifest["step"], path
         self.reshaped = reshaped(manifest, self.layout)
         replaced = self.held.replaced() if acc.is_main_process else []
         self.held.close()
@@ -471,20 +544,21 @@ class Checkpointer:
                                    f"fresh with another --checkpoint-dir.")
 
     def _refuse_fresh_start(self):
-        """Main process: --resume none into a directory that holds checkpoints would rotate them away."""
-        held = [os.path.basename(p) for _, p in self._complete()] if self.directory else []
+        """Main process: --resume none into a directory that holds this user's checkpoints would rotate them away."""
+        held = [os.path.basename(p) for _, p in own_steps(self.directory, self.passed)] if self.directory else []
         if not held:
             return None, None
         return None, (f"--resume none, but --checkpoint-dir {self.directory} already holds {len(held)} "
-                      f"checkpoint(s) ({held[-1]} the newest); starting fresh there would rotate them away. "
+                      f"checkpoint(s) ({held[0]} the newest); starting fresh there would rotate them away. "
                       f"To start fresh, give another --checkpoint-dir (or remove that one); to continue, "
                       f"use --resume auto.")
 
     def _candidates(self, spec):
-        """Main process: (([(path, manifest)...] newest first, how many step-* there are, whether to fall back to an
-        older one), None) or (None, error message). The ranks then verify the checksums together and take the first
-        that passes. --resume given the directory of step-* checkpoints (the parent of a step-*) takes its newest
-        usable one, as --resume auto does in --checkpoint-dir (accelerate's load_state() takes the newest too)."""
+        """Main process: (([(path, manifest)...] newest first, how many of this user's step-* there are, whether to
+        fall back to an older one), None) or (None, error message). The ranks then verify the checksums together and
+        take the first that passes. --resume given the directory of step-* checkpoints (the parent of a step-*)
+        takes its newest usable one, as --resume auto does in --checkpoint-dir (accelerate's load_state() takes the
+        newest too). Another user's entries are passed over with a line naming the owner, and not counted."""
         if spec != "auto":
             if not os.path.isdir(spec):
                 return None, (f"--resume {spec}: no such directory. Give the path of a step-* checkpoint "
@@ -500,14 +574,14 @@ class Checkpointer:
         root = self.directory if spec == "auto" else spec
         if not root or not os.path.isdir(root):
             return None, None
-        found, held = [], _steps(root)
-        for step, path in reversed(held):
+        found, held = [], own_steps(root, self.passed)
+        for step, path in held:
             try:
                 if not stat.S_ISDIR(os.lstat(path).st_mode):
                     raise ValueError("a symbolic link or a file, not a checkpoint directory this code writes")
                 found.append((path, self._usable(path, step)))
             except (OSError, ValueError) as exc:
-                print(f"warning: skipping checkpoint {path}: {exc}", file=sys.stderr, flush=True)
+                self.passed.add(path, str(exc))
         return (found, len(held), True), None
 
     def _usable(self, path, named_step):
@@ -528,9 +602,6 @@ class Checkpointer:
             self.held = None
         if self.lock:
             self.lock.release()
-
-    def _complete(self):
-        return _steps(self.directory) if self.directory else []
 
 
 def _steps(directory):

@@ -3,11 +3,16 @@ other's checkpoints (a second job, a requeued twin, a rerun while orphans of a k
 
 Also owns the directory's permissions: one that group or others can write into is refused unless it has
 the sticky bit (others could replace this run's files and directories there). The lock file itself is
-untrusted: whatever is at .lock (a link, a FIFO, garbage) is one message or a takeover, never a hang."""
+untrusted: whatever is at .lock (a link, a FIFO, garbage) is one message or a takeover, never a hang. In a
+shared directory with the sticky bit, another user's .lock (or .lock.takeover) does not hold this user's runs
+back and cannot be removed: the run then locks under a name of its own, .lock.<uid>.<random>, and a run
+that finds another live lock of its user's stops (owners.py: a run uses only its own user's entries)."""
 
 import atexit
 import json
 import os
+import re
+import secrets
 import shutil
 import socket
 import stat
@@ -15,8 +20,11 @@ import sys
 import threading
 import time
 
+from .owners import theirs
+
 LOCK = ".lock"
 TAKEOVER = ".lock.takeover"  # held (O_EXCL) by the one run replacing a stale lock, for a moment
+LOCKS = re.compile(r"^\.lock(?:\.\d+\.[0-9a-f]{8})?$")  # .lock, and a user's own where another user holds .lock
 HEARTBEAT_S, STALE_S = 30, 180  # the holder touches its lock every 30 s; 3 minutes without a touch: dead
 PID_MAX = 1 << 22  # Linux's largest pid_max: a holder on another host may have any pid up to it
 LOCK_MAX_BYTES = 4096  # a lock holds a few fields; more is not a lock this code wrote
@@ -24,6 +32,11 @@ LOCK_MAX_BYTES = 4096  # a lock holds a few fields; more is not a lock this code
 
 class NotALock(OSError):
     """What is at .lock is a FIFO, a device or a socket: it cannot be read or safely replaced."""
+
+
+class OthersLock(OSError):
+    """What is at .lock (or .lock.takeover) belongs to another user: it cannot hold this user's runs back, nor be
+    removed (a shared directory with the sticky bit)."""
 
 
 def take(directory):
@@ -42,8 +55,10 @@ def take(directory):
         return None, error
     for leftover in (n for n in os.listdir(directory) if n.startswith(".tmp-")):
         path = os.path.join(directory, leftover)
-        print(f"removing {path}: a save that never finished", file=sys.stderr, flush=True)
         try:
+            if theirs(os.lstat(path)):
+                continue  # another user's: not this run's to remove, nor can it be
+            print(f"removing {path}: a save that never finished", file=sys.stderr, flush=True)
             if stat.S_ISDIR(os.lstat(path).st_mode):
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -78,42 +93,89 @@ class DirectoryLock:
         self.path = os.path.join(directory, LOCK)
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
                    "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0), "since": time.time()}
-        self.held = False
+        self.held, self._marker = False, None
         self._stop = threading.Event()
 
     def acquire(self):
         """None once held, or the message naming the holder."""
+        try:
+            error = self._acquire_shared()
+        except OthersLock as exc:  # a shared directory with the sticky bit: a name of this user's own instead
+            directory = os.path.dirname(self.path)
+            self.path = os.path.join(directory, f"{LOCK}.{os.geteuid()}.{secrets.token_hex(4)}")
+            print(f"warning: {exc}; this run locks {directory} with {self.path} instead", file=sys.stderr, flush=True)
+            error = None if self._create() else self._refusal({})
+        if error:
+            return error
+        rival = self._rival()
+        if rival:
+            self.release()
+            return self._refusal(rival)
+        return None
+
+    def _acquire_shared(self):
+        """None once .lock is held, or the message naming its holder; OthersLock where another user holds it."""
         for _ in range(3):
+            if self._create():
+                return None
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            except FileExistsError:
-                try:
-                    holder, why = self._stale()
-                except NotALock as exc:
-                    return str(exc)
-                if why is None:
-                    return self._refusal(holder)
-                if not self._take_over(holder, why):
-                    return self._being_taken_over(why)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.me, f)
-                f.flush()
-                os.fsync(f.fileno())
-            self.held = True
-            atexit.register(self.release)
-            threading.Thread(target=self._heartbeat, daemon=True, name="checkpoint-dir lock").start()
-            return None
+                holder, why = self._stale()
+            except NotALock as exc:
+                return str(exc)
+            if why is None:
+                return self._refusal(holder)
+            if not self._take_over(holder, why):
+                return self._being_taken_over(why)
         try:
             return self._refusal(self._stale()[0])
         except NotALock as exc:
             return str(exc)
 
+    def _create(self):
+        """Whether this run created its lock file (O_EXCL: False if something is there) and holds it now."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.me, f)
+            f.flush()
+            os.fsync(f.fileno())
+        # Held open while the run lives: the mark by which the stop command knows this process is the lock's run
+        # (a pid alone may have been reused; a command line proves nothing).
+        self._marker = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        self.held = True
+        atexit.register(self.release)
+        threading.Thread(target=self._heartbeat, daemon=True, name="checkpoint-dir lock").start()
+        return True
+
+    def _rival(self):
+        """The holder of another live lock of this user's on the directory, or None; this user's stale ones of its
+        own names are removed. A run that took a lock of its own name (another user holds .lock) and a run that
+        took .lock after that user's left each find the other here: the later one stops (both, if they start in
+        the same instant), so that one run writes."""
+        directory, mine = os.path.dirname(self.path), os.path.basename(self.path)
+        for name in sorted(n for n in os.listdir(directory) if LOCKS.match(n) and n != mine):
+            path = os.path.join(directory, name)
+            try:
+                holder, why = self._stale(path)
+            except (OthersLock, NotALock, FileNotFoundError):
+                continue
+            if why is None:
+                return holder
+            if name != LOCK:
+                _remove_own(path)
+        return None
+
     def _take_over(self, holder, why):
-        """Remove the stale lock, unless another run is replacing it right now."""
+        """Remove the stale lock, unless another run is replacing it right now (OthersLock where another user's
+        .lock.takeover, which can neither be trusted nor removed, is there)."""
         guard = os.path.join(os.path.dirname(self.path), TAKEOVER)
         try:
-            if time.time() - os.lstat(guard).st_mtime > 60:  # left by a run that died while taking over
+            st = os.lstat(guard)
+            if theirs(st):
+                raise OthersLock(f"{guard} {theirs(st)}")
+            if time.time() - st.st_mtime > 60:  # left by a run that died while taking over
                 os.unlink(guard)
         except FileNotFoundError:
             pass
@@ -131,20 +193,24 @@ class DirectoryLock:
             os.unlink(guard)
         return True
 
-    def _inspect(self):
-        """(holder, age in s, identity) of what is at .lock: holder the lock's fields when they are a lock this
-        code writes, "link" for a symbolic link, else None (an unknown holder); identity tells one lock file from
-        its replacement. Raises FileNotFoundError when there is none, NotALock for a FIFO, device or socket.
-        Opened O_NOFOLLOW|O_NONBLOCK and checked with fstat: nothing here blocks or follows a link."""
-        st = os.lstat(self.path)
+    def _inspect(self, path=None):
+        """(holder, age in s, identity) of what is at .lock (or `path`): holder the lock's fields when they are a
+        lock this code writes, "link" for a symbolic link, else None (an unknown holder); identity tells one lock
+        file from its replacement. Raises FileNotFoundError when there is none, OthersLock when it is another
+        user's, NotALock for a FIFO, device or socket. Opened O_NOFOLLOW|O_NONBLOCK and checked with fstat:
+        nothing here blocks or follows a link."""
+        path = path or self.path
+        st = os.lstat(path)
+        if theirs(st):
+            raise OthersLock(f"{path} {theirs(st)}")
         identity, age = (st.st_dev, st.st_ino, st.st_mtime_ns), time.time() - st.st_mtime
         if stat.S_ISLNK(st.st_mode):
             return "link", age, identity
         if not stat.S_ISREG(st.st_mode):
-            raise NotALock(f"{self.path} is not a lock file this code writes (a FIFO, device or socket): another "
-                           f"user or program put it there. Remove it (rm {self.path}) and run again.")
+            raise NotALock(f"{path} is not a lock file this code writes (a FIFO, device or socket): another "
+                           f"user or program put it there. Remove it (rm {path}) and run again.")
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             raise
         except OSError:
@@ -157,11 +223,12 @@ class DirectoryLock:
             os.close(fd)
         return _holder(data), age, identity
 
-    def _stale(self):
-        """(holder, None) for a live holder, or (holder, why it is stale); holder: {"fields": the lock's fields or
-        {} when unknown, "identity": which lock file was judged}. Raises NotALock."""
+    def _stale(self, path=None):
+        """(holder, None) for a live holder, or (holder, why it is stale) of the lock at .lock (or `path`); holder:
+        {"fields": the lock's fields or {} when unknown, "identity": which lock file was judged}. Raises NotALock,
+        OthersLock."""
         try:
-            fields, age, identity = self._inspect()
+            fields, age, identity = self._inspect(path)
         except FileNotFoundError:
             return {}, "it was just released"
         holder = {"fields": fields if isinstance(fields, dict) else {}, "identity": identity}
@@ -230,6 +297,18 @@ class DirectoryLock:
                 os.unlink(self.path)
             except OSError:
                 pass
+        if self._marker is not None:
+            os.close(self._marker)
+            self._marker = None
+
+
+def _remove_own(path):
+    """Remove this user's stale lock file at `path` (a link itself, never what it points to)."""
+    try:
+        os.unlink(path)
+        print(f"warning: removed {path}: a stale lock of this user's", file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def _holder(data):

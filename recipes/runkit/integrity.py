@@ -14,6 +14,7 @@ Owns (docs/checkpoints.md, "What a checkpoint can and cannot do"):
 What a file may contain (no code, bounded memory, plain RNG state) is safe_loading.py's.
 """
 
+import copy
 import errno
 import hashlib
 import json
@@ -24,6 +25,7 @@ import shutil
 import stat
 import tempfile
 
+from .owners import theirs
 from .safe_loading import (
     UnsafeCheckpointFile,
     file_format,
@@ -61,7 +63,9 @@ class RefusedFile(OSError):
     """A checkpoint file that is not what a save writes: not a regular file, or not its recorded size."""
 
 
-MANIFEST_MAX_BYTES = 64 << 20  # a manifest is a few KB; this bounds what a planted one can make us read
+# A manifest is a few KB (about 600 bytes per rank of the run that wrote it); this bounds what a planted one costs,
+# checked on the open file before a byte is read.
+MANIFEST_MAX_BYTES = 4 << 20
 
 
 def _kind(mode):
@@ -75,8 +79,8 @@ def _kind(mode):
 
 def _open_checked(path, size, name, dir_fd=None):
     """The regular file at `path` (relative to dir_fd when given), opened for reading: O_NONBLOCK, so that opening
-    a FIFO never blocks; O_NOFOLLOW, so that a link is refused, never followed; its kind and size from the
-    descriptor. Else RefusedFile naming it `name`."""
+    a FIFO never blocks; O_NOFOLLOW, so that a link is refused, never followed; its kind, owner (this user: owners.py)
+    and size from the descriptor. Else RefusedFile naming it `name`."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError as exc:
@@ -89,6 +93,8 @@ def _open_checked(path, size, name, dir_fd=None):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise RefusedFile(f"{name} is {_kind(st.st_mode)}, not a file a save writes")
+        if theirs(st):
+            raise RefusedFile(f"{name} {theirs(st)}")
         if size is not None and st.st_size != size:
             raise RefusedFile(f"{name} does not match its recorded size and checksum (truncated or overwritten)")
         os.set_blocking(fd, True)
@@ -204,6 +210,8 @@ class HeldCheckpoint:
                 self.root = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | (0 if self.follow else os.O_NOFOLLOW))
             except OSError as exc:
                 raise RefusedFile(f"it cannot be opened as a directory ({exc.strerror})") from None
+            if theirs(os.fstat(self.root)):
+                raise RefusedFile(f"it {theirs(os.fstat(self.root))}")
         _allow_open_files(len(self.files))
         for rel in sorted(self.files):
             self.held[rel] = open_in(self.root, rel, self.files[rel]["size"])
@@ -385,9 +393,10 @@ def listing(root):
     return [rel for rel, _ in entries(root) if rel != MANIFEST]
 
 
-def entries(root):
+def entries(root, limit=None, prune=()):
     """Every entry under root, as (path relative to it, its lstat result), directories walked but not listed;
-    a link is listed, never followed."""
+    a link is listed, never followed. limit: stop once more than this many are found (a planted tree of millions of
+    entries costs no more than the checkpoint it pretends to be); prune: top-level directories left out."""
     found, folders = [], [""]
     while folders:
         folder = folders.pop()
@@ -396,9 +405,12 @@ def entries(root):
                 rel = os.path.join(folder, entry.name)
                 st = entry.stat(follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
-                    folders.append(rel)
+                    if rel not in prune:
+                        folders.append(rel)
                 else:
                     found.append((rel, st))
+                if limit is not None and len(found) + len(folders) > limit:
+                    return sorted(found)
     return sorted(found)
 
 
@@ -406,7 +418,8 @@ def coverage(root, files):
     """None, or what makes the checkpoint under root more or less than `files` (its manifest's table) plus
     the manifest: an extra file, a missing one, a link, FIFO, device or socket anywhere, a size that differs."""
     try:
-        found = {rel: st for rel, st in entries(root) if rel.split("/")[0] not in (DERIVED, DERIVING)}
+        # Bounded by what the manifest lists: a planted tree of millions of entries is not walked to its end.
+        found = dict(entries(root, limit=len(files) + 8, prune=(DERIVED, DERIVING)))
     except OSError as exc:
         return f"it cannot be listed ({exc})"
     for rel, st in found.items():
@@ -468,22 +481,43 @@ def _layout_problem(layout):
     return None
 
 
+_PARSED = {}  # (device, inode, size, mtime) of a manifest file -> its JSON, or why it has none: parsed once per run
+
+
 def _read_json(path):
+    """The manifest's JSON, read through one descriptor (a regular file of this user's, at most MANIFEST_MAX_BYTES, its
+    size checked before reading), parsed once per process however often it is asked for (a file hard-linked into
+    many planted checkpoints included); ValueError saying why there is none."""
     name = os.path.join(path, MANIFEST)
     try:
         with open_regular(name, name=MANIFEST) as f:
-            text = f.read(MANIFEST_MAX_BYTES + 1)
-        if len(text) > MANIFEST_MAX_BYTES:
-            raise ValueError(f"{MANIFEST} is over {MANIFEST_MAX_BYTES >> 20} MB, far more than a manifest holds")
-        return json.loads(text)
+            st = os.fstat(f.fileno())
+            if st.st_size > MANIFEST_MAX_BYTES:
+                raise ValueError(f"{MANIFEST} is over {MANIFEST_MAX_BYTES >> 20} MB, far more than a manifest holds")
+            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            if key not in _PARSED:
+                if len(_PARSED) > 256:
+                    _PARSED.clear()
+                _PARSED[key] = _parsed(f.read(MANIFEST_MAX_BYTES + 1))
     except RefusedFile as exc:
         if str(exc).endswith("is missing"):
             raise ValueError(f"no {MANIFEST}: the save never finished") from None
         raise ValueError(str(exc)) from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise ValueError(f"unreadable {MANIFEST} ({exc})") from None
+    if isinstance(_PARSED[key], ValueError):
+        raise _PARSED[key]
+    return copy.deepcopy(_PARSED[key])
+
+
+def _parsed(data):
+    """The JSON in `data`, or the ValueError saying it is none."""
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return ValueError(f"unreadable {MANIFEST} ({exc})")
     except RecursionError:
-        raise ValueError(f"unreadable {MANIFEST} (nested too deeply to be a manifest this code wrote)") from None
+        return ValueError(f"unreadable {MANIFEST} (nested too deeply to be a manifest this code wrote)")
 
 
 def read_manifest(path, contents=True):

@@ -7,12 +7,15 @@ the peak memory and the parameters each rank holds (footprint), and summary.json
 docs/measuring.md.
 """
 
+import io
 import json
 import os
 import resource
 import sys
 
 import torch
+
+from .results import open_log, write_file
 
 
 def quiet_progress_bars():
@@ -82,9 +85,8 @@ class MetricsLog:
         if accelerator.is_main_process:
             path = os.path.join(output_dir, name)
             kept = ([line for line in open(path) if _step(line) <= resumed_step]
-                    if resumed_step and os.path.exists(path) else [])
-            self.file = open(path, "w")
-            self.file.writelines(kept)
+                    if resumed_step and os.path.isfile(path) and not os.path.islink(path) else [])
+            self.file = open_log(path, kept)  # a new file over the name: a link planted there is not followed
 
     def write(self, record):
         if self.file:
@@ -130,9 +132,10 @@ def plot_curves(output_dir, title):
         axes[0][1].set(xlabel="optimizer step", ylabel="accuracy (%)", title=title)
         axes[0][1].legend()
     fig.tight_layout()
-    path = os.path.join(output_dir, "curves.png")
-    fig.savefig(path, dpi=100)
+    path, image = os.path.join(output_dir, "curves.png"), io.BytesIO()
+    fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
+    write_file(path, image.getvalue())
     return path
 
 
@@ -230,6 +233,5 @@ def summary_line(summary, shown=None):
 
 def write_summary(output_dir, summary, shown=None):
     """Main process: summary.json, complete, and the SUMMARY line (summary_line) that scripts can grep."""
-    with open(os.path.join(output_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    write_file(os.path.join(output_dir, "summary.json"), json.dumps(summary, indent=2))
     print(summary_line(summary, shown), flush=True)

@@ -38,7 +38,9 @@ from accelerate.tracking import filter_trackers
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from . import results
 from .checkpoints import Checkpointer, lock_directory
+from .collectives import main_process_result
 from .engines import (
     cast_buffers_for_half_precision,
     deepspeed_clip_like,
@@ -111,16 +113,16 @@ class Run:
         check_gpus_before_start()
         name_the_cpu_for_deepspeed()
         quiet_progress_bars()
-        self.stopper, self.stopping = GracefulStop(args.stop_signals), False
+        self.stopper, self.stopping = GracefulStop(args.stop_signals, args.checkpoint_dir), False
         self.model_init = BUILT_WHOLE
 
     # ---- before prepare() -------------------------------------------------------------------------
     def setup(self, accelerator, *, batch_size, max_grad_norm=0.0, eval_batch_size=None, refuse_offload=None,
               default_output_dir=None):
         """Launch checks (no rank trains alone, the global batch divides), DeepSpeed clipping like
-        max_grad_norm, the output directory, and --checkpoint-dir's lock. refuse_offload: (why, instead)
-        for SGD recipes. default_output_dir: where the results go without --output-dir (runs/<name>/<how it
-        runs> if None); start() moves a run that continues its --checkpoint-dir to its checkpoint's. The
+        max_grad_norm, --checkpoint-dir's lock, and the output directory (results.py: the one rule; a run that
+        continues its --checkpoint-dir writes where that run wrote). refuse_offload: (why, instead) for SGD recipes.
+        default_output_dir: where the results go without --output-dir (runs/<name>/<how it runs> if None). The
         accumulation steps are the Accelerator's, read here, before prepare(): a DeepSpeed config that says
         otherwise is refused in start()."""
         self.accelerator, self.print = accelerator, main_print(accelerator)
@@ -134,10 +136,34 @@ class Run:
         deepspeed_clip_like(accelerator, max_grad_norm)
         fsdp_reduce_in_fp32(accelerator)
         self.engine_facts = engine_facts(accelerator)
-        self._write_results_to(self.args.output_dir or default_output_dir
-                               or os.path.join("runs", self.name, run_label(accelerator)))
+        self.default_output_dir = default_output_dir or os.path.join("runs", self.name, run_label(accelerator))
         # The directory's lock first: a second run on it stops in seconds, before it loads data or a model.
-        self.lock = lock_directory(accelerator, self.args.checkpoint_dir, self.args.resume, self.name)
+        self.lock, self.peeked = lock_directory(accelerator, self.args.checkpoint_dir, self.args.resume, self.name)
+        self._place_results(self.peeked)
+
+    def _place_results(self, checkpoint):
+        """Collective: the output directory and the run's id, decided by the main process (results.choose) for a run
+        that resumes `checkpoint` ((path, manifest), or None for a fresh start); refused on every rank if
+        --output-dir holds another run's results."""
+        acc, result = self.accelerator, (None, None)
+        if acc.is_main_process:
+            run_id, recorded = self._continues(checkpoint)
+            place, note, error = results.choose(self.args.output_dir, self.default_output_dir, self.name, run_id,
+                                                recorded)
+            result = ((place, run_id, note), error)
+        place, self.run_id, self.results_note = main_process_result(acc, result)
+        self._write_results_to(place)
+
+    def _continues(self, checkpoint):
+        """(run id, its recorded output directory) of the run that wrote `checkpoint` when this run continues it: the
+        checkpoint is in this run's --checkpoint-dir. Otherwise (a fresh start; a checkpoint from elsewhere, which
+        starts a branch and leaves the original's results alone) a new id and None."""
+        directory = self.args.checkpoint_dir
+        if checkpoint and directory and os.path.realpath(os.path.dirname(checkpoint[0])) == os.path.realpath(directory):
+            state = checkpoint[1].get("train_state") or {}
+            if isinstance(state.get("run_id"), str) and results.RUN_ID.fullmatch(state["run_id"]):
+                return state["run_id"], state.get("output_dir")
+        return results.new_run_id(), None
 
     def _write_results_to(self, output_dir):
         self.output_dir = output_dir
@@ -148,21 +174,6 @@ class Run:
             # What Accelerator(log_with=...) would do, once the output directory is known: it depends on the
             # engine, and accelerate refuses a tracker without a logging directory at construction.
             self.accelerator.log_with = filter_trackers("tensorboard", output_dir)
-
-    def _stay_with_the_checkpoints_results(self, path, state):
-        """A run that continues its --checkpoint-dir without --output-dir writes its results where that run wrote
-        them: the default directory names how a run runs, and a resume on another world size or engine would start
-        a second one and split the metrics' history in two. A checkpoint from elsewhere (--resume into another
-        --checkpoint-dir) starts a branch, which keeps the default and leaves the original's results alone."""
-        recorded = state.get("output_dir")
-        continues = (self.args.checkpoint_dir is not None
-                     and os.path.realpath(os.path.dirname(path)) == os.path.realpath(self.args.checkpoint_dir))
-        if self.args.output_dir or not recorded or recorded == self.output_dir or not continues:
-            return None
-        moved_from = self.output_dir
-        self._write_results_to(recorded)
-        return (f"results: in {recorded}, with the run this checkpoint comes from (not {moved_from}; give "
-                f"--output-dir to write elsewhere)")
 
     @contextlib.contextmanager
     def sharded_init(self, from_pretrained=False):
@@ -207,16 +218,19 @@ class Run:
         self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock,
                                          self.name)
         chosen = self.checkpointer.choose(args.resume)
+        if (chosen and chosen[0]) != (self.peeked and self.peeked[0]):  # the manifests alone pointed elsewhere
+            self._place_results(chosen)
         if chosen and chosen[1]["train_state"]["step"] >= total_steps:
             self._already_complete(*chosen)
-        staying = chosen and self._stay_with_the_checkpoints_results(chosen[0], chosen[1]["train_state"])
         self.print(self._first_line(optimizer, describe))
         self.state = {"epoch": 0, "step_in_epoch": 0, "step": 0, "epochs_run": 0, "first_loss": None,
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
         if chosen:
             self.state.update(self.checkpointer.load(*chosen))  # the log window as this run's ranks carry it
-        if staying:
-            self.print(staying)
+        if self.results_note:
+            self.print(self.results_note)
+        if acc.is_main_process:
+            results.mark(self.output_dir, self.run_id, self.name)
         self.resumed_from = self.state["step"] or None
         self.resumed_layout = chosen[1]["layout"] if chosen else None
         self.peaks_at_start = peaks_at_start(acc)  # building, preparing and loading the model: collective
@@ -233,6 +247,8 @@ class Run:
         self.train_start = time.perf_counter()
         self.trained_at = None  # when the last step ended: what follows it is timed by part (end_of_run)
         self.end_of_run = {"evaluation_s": 0.0, "checkpoint_s": 0.0}
+        self.stopper.begin()  # a stop signal from here on saves a checkpoint; before, it ended the run at once
+        self.stopper.on_interrupt(lambda: (self.state["step"], self.checkpointer.newest))
 
     def _first_line(self, optimizer, describe):
         """What runs, on what, how far, and the command that stops it."""
@@ -248,10 +264,9 @@ class Run:
     def _already_complete(self, path, manifest):
         """The same command again after the run finished: say where its results are, change nothing, exit 0."""
         state = manifest["train_state"]
-        results = state.get("output_dir") or self.output_dir
         self.print(f"this run is already complete: {path} holds its last step ({state['step']} of "
-                   f"{self.total_steps}); its results are in {results} (summary.json, metrics.jsonl). Nothing was "
-                   f"changed. To train again, give another --checkpoint-dir.")
+                   f"{self.total_steps}); its results are in {self.output_dir} (summary.json, metrics.jsonl). Nothing "
+                   f"was changed. To train again, give another --checkpoint-dir.")
         self.checkpointer.release()
         sys.exit(teardown(self.accelerator, 0))
 
@@ -418,7 +433,7 @@ class Run:
         s["window"] = self.timer.window_state()  # collective
         # "stopped": a checkpoint saved for a stop (stopping.py's command reads it).
         self.checkpointer.save(s["step"], {**s, "train_time": self._train_time(), "output_dir": self.output_dir,
-                                           "stopped": self.stopping})
+                                           "run_id": self.run_id, "stopped": self.stopping})
         self._after_training("checkpoint_s", started)
 
     # ---- the end ----------------------------------------------------------------------------------
@@ -446,8 +461,8 @@ class Run:
         exported = None
         if acc.is_main_process:
             exported = export(weights) if export else os.path.join(self.output_dir, "model.safetensors")
-            if not export:
-                save_file(weights, exported)
+            if not export:  # written beside, then renamed over the name: a link planted there is never followed
+                results.written_by(exported, lambda name: save_file(weights, name))
         end["export_s"] = time.perf_counter() - started
         started = time.perf_counter()
         shards = footprint(acc, model)  # collective

@@ -160,15 +160,37 @@ def how_to_stop(checkpoint_dir):
 
 
 class GracefulStop:
-    """Remember that a stop signal arrived; all ranks then agree on the step to stop after."""
+    """Remember that a stop signal arrived; all ranks then agree on the step to stop after. Before training begins
+    (begin()) there is nothing to save: a stop signal then ends the process at once, with one line, instead of
+    waiting out minutes of loading (a data set, a model)."""
 
-    def __init__(self, names):
-        self.received = None
+    def __init__(self, names, checkpoint_dir=None):
+        self.received, self.training, self.checkpoint_dir = None, False, checkpoint_dir
         numbers = signal_numbers(names)
         self.enabled = bool(numbers)  # --stop-signals '': nothing to agree on, no collective per step
         self.numbers = numbers
         for number in numbers:
             signal.signal(number, self._handler)
+
+    def begin(self):
+        """Training begins: from here on a stop signal is remembered, and the ranks stop after the same step."""
+        self.training = True
+
+    def on_interrupt(self, newest):
+        """Ctrl-C (SIGINT, not a stop signal: nothing is saved) ends the process with one line instead of a
+        traceback per process: newest() gives (step, the newest checkpoint's path or None) for it. A second Ctrl-C
+        kills at once. Under torchrun the workers run in sessions of their own: only the launcher gets it, and
+        sends them SIGTERM, a stop signal."""
+        def interrupted(signum, frame):
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            step, path = newest()
+            if os.environ.get("RANK", "0") == "0":
+                kept = (f"the newest checkpoint is {path}: run the same command again to resume from it" if path
+                        else "no checkpoint was saved" + ("" if self.checkpoint_dir else " (no --checkpoint-dir)"))
+                print(f"\ninterrupted (Ctrl-C) at step {step}: nothing more is saved; {kept} (SIGTERM or SIGUSR1 "
+                      f"stop with a checkpoint)", file=sys.stderr, flush=True)
+            raise SystemExit(130)
+        signal.signal(signal.SIGINT, interrupted)
 
     def ignore_from_now(self):
         """The training is over: a stop signal now (a time-limit timer firing late) must not kill the
@@ -180,6 +202,19 @@ class GracefulStop:
     def _handler(self, signum, frame):
         # Only set a flag: the step in flight finishes, and no collective is left half-done.
         self.received = signal.Signals(signum).name
+        if not self.training:
+            raise SystemExit(self._before_training())
+
+    def _before_training(self):
+        """The line and exit code of a stop before the first step: 75 ("run me again", and the marker launch/ reads)
+        with a --checkpoint-dir, whose checkpoints are as they were; 1 without one."""
+        code = EXIT_STOPPED if self.checkpoint_dir else 1
+        if os.environ.get("RANK", "0") == "0":
+            print(f"stopped by {self.received} before training began: nothing was trained, nothing to save; run the "
+                  f"same command again (exit code {code})", file=sys.stderr, flush=True)
+        if self.checkpoint_dir and os.environ.get("LOCAL_RANK", "0") == "0":
+            _leave_marker()
+        return code
 
     def agreed(self, accelerator):
         """True on every rank once any rank got a signal. Collective: call it on all ranks at the same step
@@ -196,17 +231,24 @@ class GracefulStop:
 def report_stopped(accelerator):
     """Leave the marker launch/ asks for: torchrun turns a worker's exit code 75 into 1, and srun may report
     another task's exit status."""
+    if accelerator.is_local_main_process:
+        _leave_marker()
+
+
+def _leave_marker():
+    """RECIPE_STOP_MARKER, if the templates set it, holding 75 (once per node)."""
     marker = os.environ.get("RECIPE_STOP_MARKER")
-    if marker and accelerator.is_local_main_process:
-        # The templates put it in a directory of their own (mktemp -d); never follow a link planted there.
-        try:
-            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            if exc.errno != errno.EEXIST:
-                raise
-            return  # already reported (another process of this node's step)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{EXIT_STOPPED}\n")
+    if not marker:
+        return
+    # The templates put it in a directory of their own (mktemp -d); never follow a link planted there.
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.EEXIST:
+            raise
+        return  # already reported (another process of this node's step)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{EXIT_STOPPED}\n")
 
 
 def stopped(accelerator, stopper, step, checkpoint_dir):
@@ -230,27 +272,27 @@ def stopped(accelerator, stopper, step, checkpoint_dir):
 
 # ---- python3 recipes/runkit/stopping.py CHECKPOINT_DIR: stop a run from outside ---------------------------------
 
-LOCK_FILE, LOCK_MAX_BYTES, MANIFEST_MAX_BYTES = ".lock", 4096, 64 << 20  # as dirlock.py and integrity.py write them
-CHECKPOINT_NAME = re.compile(r"step-\d{8}")
+# As dirlock.py, integrity.py and checkpoints.py write them (this command runs without torch, so without them).
+LOCK_MAX_BYTES, MANIFEST_MAX_BYTES = 4096, 4 << 20
+LOCK_NAMES = re.compile(r"\.lock(?:\.\d+\.[0-9a-f]{8})?")
+CHECKPOINT_NAME = re.compile(r"step-(\d{8})(?:\.[0-9a-z]{8})?")
+WAIT_S = 900  # how long the command waits for the run to save and end, by default
 
 
 def _read_regular(path, limit):
-    """The bytes of a regular file of at most `limit` bytes, opened without following a link or blocking on a FIFO
-    (the directory is shared storage: untrusted); None for anything else."""
+    """The bytes of a regular file of this user's, of at most `limit` bytes, opened without following a link or
+    blocking on a FIFO (the directory is shared storage: untrusted); None for anything else."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > limit:
             return None
-        chunks, size = [], 0
-        while size <= limit and (chunk := os.read(fd, 1 << 20)):
-            chunks.append(chunk)
-            size += len(chunk)
+        return os.read(fd, limit + 1)
     finally:
         os.close(fd)
-    return b"".join(chunks) if size <= limit else None
 
 
 def _json_of(path, limit):
@@ -271,29 +313,44 @@ def _alive(pid):
         return False
 
 
-def _run_on(pid, directory):
-    """The working directory of process `pid` if its command line gives `directory` as --checkpoint-dir (relative
-    paths read from that working directory), else None. The lock is untrusted, and its pid may be another process
-    by now: only a run on this directory is signalled."""
+def _holds(pid, lock):
+    """Whether process `pid` holds the lock file `lock` open: the mark a run leaves (dirlock.py keeps its lock open
+    while it lives), which no other process has, whatever its command line says. None when /proc does not let this
+    user look (another user's process, or one that made itself unreadable)."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-    except OSError:
+        st = os.stat(lock, follow_symlinks=False)
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except PermissionError:
         return None
-    given = [b for a, b in zip(argv, argv[1:]) if a == "--checkpoint-dir"]
-    given += [a.split("=", 1)[1] for a in argv if a.startswith("--checkpoint-dir=")]
-    target = os.path.realpath(directory)
-    return cwd if any(os.path.realpath(os.path.join(cwd, g)) == target for g in given) else None
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            held = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (held.st_dev, held.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def _own_locks(directory):
+    """[(path, fields)] of this user's locks in `directory` that read as a lock (.lock first)."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if LOCK_NAMES.fullmatch(n))
+    except OSError:
+        return []
+    found = [(os.path.join(directory, n), _json_of(os.path.join(directory, n), LOCK_MAX_BYTES)) for n in names]
+    return [(path, fields) for path, fields in found if fields]
 
 
 def _newest_state(directory):
-    """(path, training state) of the newest checkpoint whose manifest reads, or (None, {})."""
+    """(path, training state) of this user's newest checkpoint whose manifest reads, or (None, {})."""
     try:
-        names = sorted(n for n in os.listdir(directory) if CHECKPOINT_NAME.fullmatch(n))
+        found = sorted((int(m.group(1)), n) for n in os.listdir(directory) if (m := CHECKPOINT_NAME.fullmatch(n)))
     except OSError:
-        names = []
-    for name in reversed(names):
+        found = []
+    for _, name in reversed(found[-1000:]):
         manifest = _json_of(os.path.join(directory, name, "checkpoint.json"), MANIFEST_MAX_BYTES)
         if manifest and isinstance(manifest.get("train_state"), dict):
             return os.path.join(directory, name), manifest["train_state"]
@@ -301,21 +358,44 @@ def _newest_state(directory):
 
 
 def _holder_pid(directory):
-    """The main process of the run holding `directory` on this host, or the message saying why there is none."""
-    lock = _json_of(os.path.join(directory, LOCK_FILE), LOCK_MAX_BYTES) or {}
-    pid, host, job = lock.get("pid"), lock.get("host"), lock.get("job")
-    if type(pid) is not int or pid < 1 or not isinstance(host, str):
-        return None, (f"no run holds {directory} ({os.path.join(directory, LOCK_FILE)} is missing or not a lock a "
-                      f"run writes): it has ended, or it never started there")
-    if host != socket.gethostname():
-        return None, f"the run holding {directory} runs on {host} (pid {pid}): run this command there"
-    if isinstance(job, str):
-        return None, (f"the run holding {directory} is Slurm job {job}: stop it with scancel --signal=TERM --full "
-                      f"{job} (the job's templates then requeue it)")
-    if not _alive(pid) or _run_on(pid, directory) is None:
-        return None, (f"{os.path.join(directory, LOCK_FILE)} names pid {pid}, which is no run on {directory} any "
-                      f"more: that run ended without releasing its lock (the next run takes it over)")
-    return pid, None
+    """The main process of this user's run holding `directory` on this host, or the message saying why there is
+    none. Only a process that holds the directory's lock open is a run on it (_holds)."""
+    locks = _own_locks(directory)
+    if not locks:
+        return None, (f"no run holds {directory} ({os.path.join(directory, '.lock')} is missing or not a lock a run of "
+                      f"this user's writes): it has ended, or it never started there")
+    seen = []
+    for lock, fields in locks:
+        pid, host, job = fields.get("pid"), fields.get("host"), fields.get("job")
+        if type(pid) is not int or pid < 1 or not isinstance(host, str):
+            seen.append(f"{lock} is not a lock a run writes")
+        elif host != socket.gethostname():
+            return None, f"the run holding {directory} runs on {host} (pid {pid}): run this command there"
+        elif isinstance(job, str):
+            return None, (f"the run holding {directory} is Slurm job {job}: stop it with scancel --signal=TERM --full "
+                          f"{job} (the job's templates then requeue it)")
+        elif not _alive(pid):
+            seen.append(f"{lock} names pid {pid}, which has ended: that run ended without releasing its lock (the "
+                        f"next run takes it over)")
+        elif (holds := _holds(pid, lock)) is None:
+            seen.append(f"{lock} names pid {pid}, which is alive but that this user cannot look into (permission "
+                        f"denied in /proc/{pid}): not signalled; if it is your run, stop it with kill -TERM {pid}")
+        elif not holds:
+            seen.append(f"{lock} names pid {pid}, which is alive but does not hold that lock: it is no run on "
+                        f"{directory} (the run ended and another process has its number)")
+        else:
+            return pid, None
+    return None, "; ".join(seen)
+
+
+def _wait(pid, seconds):
+    """Whether process `pid` ended within `seconds`."""
+    end = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def stop_run(argv=None):
@@ -325,21 +405,32 @@ def stop_run(argv=None):
     parser = argparse.ArgumentParser(
         prog="stopping.py", description="Stop the run that holds CHECKPOINT_DIR with a checkpoint, as its first line "
         "says: it finishes its step, every rank saves, and it exits. Exits 75 once that checkpoint is saved (run "
-        "the run's command again to resume), 0 if the run finished first, 1 if it ended without saving, 2 if no "
-        "run on this host holds the directory.")
+        "the run's command again to resume), 0 if the run finished first, 1 if it ended without saving or is still "
+        "running after --wait, 2 if no run of this user's on this host holds the directory.")
     parser.add_argument("checkpoint_dir", help="the run's --checkpoint-dir")
-    directory = parser.parse_args(argv).checkpoint_dir
+    parser.add_argument("--wait", type=float, default=WAIT_S, help="seconds to wait for the run to save and end")
+    args = parser.parse_args(argv)
+    directory = args.checkpoint_dir
     pid, problem = _holder_pid(directory)
     if problem:
         print(f"stopping.py: error: {problem}", file=sys.stderr, flush=True)
         return 2
-    cwd, (before, _) = _run_on(pid, directory) or ".", _newest_state(directory)
+    cwd, (before, _) = os.readlink(f"/proc/{pid}/cwd"), _newest_state(directory)
     signalled = time.time()
     os.kill(pid, signal.SIGTERM)
     print(f"stopping the run on {directory} (pid {pid}): it finishes its step, saves a checkpoint and exits",
           flush=True)
-    while _alive(pid):
-        time.sleep(0.2)
+    if not _wait(pid, args.wait):
+        print(f"stopping.py: error: pid {pid} is still running {args.wait:g} s after SIGTERM (a long step or save, or "
+              f"it does not act on the signal): wait longer (--wait), or look at its output", file=sys.stderr,
+              flush=True)
+        return 1
+    return _outcome(directory, pid, before, cwd, signalled)
+
+
+def _outcome(directory, pid, before, cwd, signalled):
+    """The exit code and line once the run has ended: 75 for a checkpoint saved for this stop (newer than `before`,
+    the newest when it was signalled), 0 for a run that finished first, 1 otherwise."""
     path, state = _newest_state(directory)
     if state.get("stopped") is True and path != before:  # saved for this stop, not an earlier one
         print(f"stopped after step {state.get('step')}: checkpoint {path}; run the training command again to resume "
@@ -349,8 +440,9 @@ def stop_run(argv=None):
     if state and os.path.isfile(summary) and os.path.getmtime(summary) >= signalled:
         print(f"the run had finished before it could stop: its results are in {os.path.dirname(summary)}", flush=True)
         return 0
-    print(f"stopping.py: error: pid {pid} ended without saving a checkpoint for the stop (its own output says why); "
-          f"the newest checkpoint in {directory} is {path or 'none'}", file=sys.stderr, flush=True)
+    print(f"stopping.py: error: pid {pid} ended without saving a checkpoint for the stop (its own output says why; a "
+          f"run stopped before its first step has nothing to save); the newest checkpoint in {directory} is "
+          f"{path or 'none'}", file=sys.stderr, flush=True)
     return 1
 
 

@@ -7,6 +7,7 @@ another type would otherwise surface as a traceback deep in a resume.
 """
 
 from .integrity import whole
+from .results import RUN_ID
 
 
 def _number(value):
@@ -14,7 +15,7 @@ def _number(value):
 
 
 def _scalar(value):
-    return value is None or type(value) in (int, float, str, bool)
+    return value is None or type(value) in (int, float, bool)
 
 
 # What Run keeps in a checkpoint's train_state (run.py: the state Run.start makes, saved by Run._save), each field
@@ -23,11 +24,15 @@ def _scalar(value):
 TRAIN_STATE = {
     "step": whole, "epoch": whole, "step_in_epoch": whole, "epochs_run": whole,
     "first_loss": lambda v: v is None or _number(v), "final_loss": lambda v: v is None or _number(v),
+    # Numbers only: an evaluation's figures reach summary.json, which must carry no string from a checkpoint.
     "last_eval": lambda v: v is None or (isinstance(v, dict) and whole(v.get("step"))
                                          and all(_scalar(x) for x in v.values())),
     "train_time": lambda v: _number(v) and v >= 0,
     "window": lambda v: v is None or isinstance(v, dict),
+    # Where the run wrote (results.default_form decides whether a resumed run writes there too), and which run it
+    # is (results.py: its mark in the output directory).
     "output_dir": lambda v: v is None or isinstance(v, str),
+    "run_id": lambda v: isinstance(v, str) and RUN_ID.fullmatch(v) is not None,
     "stopped": lambda v: type(v) is bool,  # saved for a stop signal (stopping.py's stop command reads it)
 }
 WINDOW = {"loss_sums": lambda v: isinstance(v, list) and all(_number(x) for x in v), "micro": whole,

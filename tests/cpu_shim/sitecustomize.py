@@ -12,6 +12,8 @@ its variable is set, for the test that needs it:
 * TEST_SLOW_CONVERT_SECONDS: the same for the universal conversion of a ZeRO checkpoint (resharding.py): at the
   first fragment DeepSpeed's ds_to_universal saves into its temporary folder, "TEST-SHIM: slow conversion" and a
   sleep, so a test can change the checkpoint, or the conversion's directory, while the conversion runs.
+* TEST_SLOW_DATA_SECONDS: a slow data set. Reading MNIST (torchvision's MNIST()) prints "TEST-SHIM: slow data" and
+  sleeps first, so a test can stop a run while it loads its data, before training begins.
 * TEST_FAKE_GPUS: a worker sees this many GPUs (torch.cuda reports them; none is usable), to test
   the refusal of more processes than GPUs on a machine without any.
 * TEST_COUNT_SYNCS=DIR: each worker counts, per optimizer step, the calls that make the host wait
@@ -40,6 +42,21 @@ def _slow_save(seconds):
         return result
 
     Accelerator.save_state = slow_save_state
+
+
+def _slow_data(seconds):
+    import time
+
+    from torchvision.datasets import MNIST
+
+    init = MNIST.__init__
+
+    def slow_init(self, *args, **kwargs):
+        print("TEST-SHIM: slow data", flush=True)
+        time.sleep(seconds)
+        init(self, *args, **kwargs)
+
+    MNIST.__init__ = slow_init
 
 
 def _slow_load(seconds):
@@ -155,6 +172,8 @@ def _install():
         _slow_convert(float(os.environ["TEST_SLOW_CONVERT_SECONDS"]))
     if os.environ.get("TEST_SLOW_LOAD_SECONDS"):
         _slow_load(float(os.environ["TEST_SLOW_LOAD_SECONDS"]))
+    if os.environ.get("TEST_SLOW_DATA_SECONDS"):
+        _slow_data(float(os.environ["TEST_SLOW_DATA_SECONDS"]))
     route = os.path.join(os.path.dirname(__file__), "..", "..", "cpu_route", "sitecustomize.py")
     spec = importlib.util.spec_from_file_location("cpu_route_sitecustomize", route)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))

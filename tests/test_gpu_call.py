@@ -1,0 +1,297 @@
+"""The one GPU call on a CPU (issue 42, item 5): bench/gpu_pack.sh, bench/gpu_call.py, bench/gpu_wheels.py,
+bench/pack_report.py and the table's stages in bench/gpu_table.py, with the GPU work stood in for by small scripts.
+
+What is checked: the install step (a missing wheel, a missing import: one line, exit 2; nothing installed into this
+Python: the wheels go into a folder), the preparation's dependency rules against the image's package list, the
+budget split, the pack's cap and record (a stopped pack leaves no process, and says what it did not reach), the
+table's order (fine-tunes first), its files rewritten as each part ends, a part cut by the budget still reporting,
+and a dry run of the one command with CUDA absent. Quick: no recipe is launched.
+"""
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from launching import REPO, run_command
+
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_call  # noqa: E402
+import gpu_table  # noqa: E402
+import gpu_wheels  # noqa: E402
+
+NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def fake_wheel(folder, name, code, requires=()):
+    """A pure-Python wheel of one module `name` (with '-' as '_') whose __init__ is `code`."""
+    module = name.replace("-", "_")
+    path = folder / f"{module}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as whl:
+        whl.writestr(f"{module}/__init__.py", code)
+        whl.writestr(f"{module}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+                     + "".join(f"Requires-Dist: {r}\n" for r in requires))
+        whl.writestr(f"{module}-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                     "Tag: py3-none-any\n")
+        whl.writestr(f"{module}-1.0.dist-info/RECORD", "")
+    return path
+
+
+# ---- the install -----------------------------------------------------------------------------------------------
+def test_install_names_a_missing_wheel_in_one_line_and_exits_2(tmp_path):
+    """The GPU machine's install with .gpu/w lacking one of CARRY's wheels: one line naming it and what to do,
+    exit 2, nothing installed. Also when there is no .gpu/w at all (it is git-ignored: it travels only if carried)."""
+    wheels = tmp_path / "w"
+    wheels.mkdir()
+    for name in gpu_wheels.CARRY:
+        if name != "dill":
+            (wheels / f"{name.replace('-', '_')}-1.0-py3-none-any.whl").touch()
+    for folder, named in ((wheels, "has no wheel for dill"), (tmp_path / "absent", "there is no")):
+        result = subprocess.run([sys.executable, "bench/gpu_wheels.py", "install", "--wheels", str(folder),
+                                 "--target", str(tmp_path / "site")], cwd=REPO, capture_output=True, text=True)
+        assert result.returncode == 2 and result.stdout == "", result
+        [line] = result.stderr.splitlines()
+        assert line.startswith(f"error: {folder} {named}" if folder == wheels else f"error: there is no {folder}")
+        assert line.endswith("run `bash bench/gpu_pack.sh prepare` where pip works, then carry .gpu/w "
+                             "(README, 'On a GPU')"), line
+        assert not (tmp_path / "site").exists()
+    (wheels / "dill-0.9-py3-none-any.whl").touch()
+    (wheels / "dill-1.0-py3-none-any.whl").touch()
+    with pytest.raises(gpu_wheels.Refused, match="holds two versions of dill: keep one"):
+        gpu_wheels.to_install(wheels)
+
+
+def test_install_checks_every_import_after_the_install(tmp_path, monkeypatch, capsys):
+    """pip installs with --no-deps whatever is missing; the import check then names the module that fails and the
+    one it lacked, in one line (exit 2). A requirement the installed versions do not meet is a warning."""
+    wheels, site = tmp_path / "w", tmp_path / "site"
+    wheels.mkdir()
+    fake_wheel(wheels, "gpucheck-ok", "VALUE = 1\n", requires=["gpucheck-absent>=2", "extra-only; extra == 'dev'"])
+    fake_wheel(wheels, "gpucheck-broken", "import gpucheck_lacking  # a dependency nobody carried\n")
+    monkeypatch.setattr(gpu_wheels, "CARRY", {"gpucheck-ok": "", "gpucheck-broken": ""})
+    monkeypatch.setattr(gpu_wheels, "IMPORTS", ["gpucheck_ok", "gpucheck_broken"])
+    assert gpu_wheels.main(["install", "--wheels", str(wheels), "--target", str(site)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: import gpucheck_broken fails after the install (ModuleNotFoundError: No module "
+                           "named 'gpucheck_lacking'): this machine lacks gpucheck_lacking: add its distribution to "
+                           "CARRY in bench/gpu_wheels.py"), line
+    assert (site / "gpucheck_ok" / "__init__.py").exists()  # installed; it imports
+    result = gpu_wheels.import_check(sys.executable, ["gpucheck_ok"], ["gpucheck-ok"], site)
+    assert result == {"failed": {}, "unmet": ["gpucheck-ok needs gpucheck-absent>=2, and this machine has none"]}
+
+
+def test_prepare_follows_each_requirement_to_the_image_or_a_carried_wheel(tmp_path):
+    """The preparation's rule for every requirement of a carried wheel: met by another carried wheel (at a version
+    that satisfies it), by the GPU image (its version checked where the list gives one), or fetched when CARRY
+    names it; anything else stops the preparation, naming it. CARRY itself holds nothing the image has."""
+    metadata = {"deepspeed": ("0.19.8", ["hjson", "pydantic>=2.0.0", "torch>=2.0.0", "einops", "nope; extra == 'dev'",
+                                         "winonly; sys_platform == 'win32'"]),
+                "pydantic": ("2.13.4", ["pydantic-core==2.46.4", "typing-extensions>=4.14.1"]),
+                "pydantic-core": ("2.46.0", []), "bitsandbytes": ("0.50.2", ["torch<3,>=2.12", "scipy-absent"])}
+    carry = {"deepspeed": "0.19.8", "pydantic": "2.13.4", "pydantic-core": "", "hjson": "", "bitsandbytes": "0.50.2",
+             "einops": ""}
+    image = {"torch": "2.11.0", "einops": "", "typing-extensions": ""}
+    to_fetch, problems, unchecked = gpu_wheels.closure(metadata, carry, image)
+    assert to_fetch == {"hjson": ""}
+    assert problems == ["bitsandbytes needs torch<3,>=2.12, and the GPU image has 2.11.0",
+                        "bitsandbytes needs scipy-absent, which the GPU image lacks and CARRY does not name",
+                        "pydantic needs pydantic-core==2.46.4, and the carried wheel is 2.46.0",
+                        "CARRY names einops, which the GPU image has (carry only what it lacks)"]
+    assert unchecked == ["pydantic needs typing-extensions>=4.14.1 (the image's version is checked on the machine)"]
+    # the real list: CARRY carries only what the image lacks, and the image has what CARRY's imports expect of it
+    image = gpu_wheels.read_image()
+    assert image["torch"] == "2.11.0" and image["transformers"] == "5.17.0" and image["accelerate"] == "1.15.0"
+    assert gpu_wheels.closure({}, gpu_wheels.CARRY, image) == ({}, [], [])
+    assert {"einops", "msgpack", "pyarrow", "xxhash", "pandas", "pytest-xdist"} <= set(image)
+    wheel = fake_wheel(tmp_path, "gpucheck-meta", "", requires=["numpy>=2"])
+    assert gpu_wheels.wheel_metadata(wheel) == ("gpucheck-meta", "1.0", ["numpy>=2"])
+
+
+# ---- the budget and the pack -----------------------------------------------------------------------------------
+def test_budget_split_gives_the_table_what_the_pack_does_not_take():
+    """The whole call within the caller's budget: the install as it went, the pack capped (each launch inside the
+    cap), END_S kept; a lower budget shortens the table rather than losing it."""
+    split = gpu_call.split_budget(540, 20)
+    assert split == {"budget": 540, "install": 20, "pack": 175.0, "launch": 145.0, "table": 325.0, "end": 20}
+    tables = []
+    for budget in (600, 540, 420, 300, 200):
+        split = gpu_call.split_budget(budget, 25)
+        assert split["install"] + split["pack"] + split["table"] + split["end"] == pytest.approx(budget)
+        assert gpu_call.PACK_MIN_S <= split["pack"] <= gpu_call.PACK_MAX_S
+        assert 0 < split["launch"] == split["pack"] - gpu_call.PACK_STARTUP_S
+        tables.append(split["table"])
+    assert tables == sorted(tables, reverse=True) and tables[-1] >= gpu_call.TABLE_MIN_S
+    assert gpu_call.split_budget(540, 20, only="table")["pack"] == 0 == gpu_call.split_budget(540, 20,
+                                                                                            only="pack")["table"]
+    assert gpu_call.split_budget(540, 20, only="table")["table"] == 500
+
+
+# A pytest run's stand-in that never ends, with a child in a session of its own (as the pack's launches are).
+HANGS = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+         "start_new_session=True); open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(600)")
+
+
+def test_pack_is_stopped_at_its_cap_and_leaves_no_process(tmp_path):
+    """At its cap the pack gets SIGINT (pytest then writes its summary) and SIGKILL later; every process it started,
+    in whatever session, carries the phase's mark and is ended with it."""
+    child = tmp_path / "child.pid"
+    code, stopped = gpu_call.supervise([sys.executable, "-c", HANGS, str(child)], {}, cap_s=2, stop=signal.SIGINT,
+                                       log_path=tmp_path / "pack.log")
+    assert stopped and code != 0
+    pid = int(child.read_text())
+
+    def gone():  # exited (a zombie until its new parent reaps it) or reaped
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+    deadline = time.monotonic() + 30  # SIGKILL is delivered at once: this only waits for the exit to finish
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(), f"the pack's child {pid} outlived the pack"
+
+
+def test_pack_record_says_what_passed_failed_and_was_not_reached(tmp_path):
+    """bench/pack_report.py records the collected tests and each outcome as it comes; a pack cut short (here by
+    -x after a failure) reads back with what it did not reach named."""
+    (tmp_path / "test_three.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    assert False\n\n\n"
+                                            "def test_c():\n    pass\n")
+    record = tmp_path / "pack.jsonl"
+    code, output = run_command([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p",
+                                "pack_report", "test_three.py"], cwd=tmp_path, timeout=120,
+                               env={"GPU_PACK_RECORD": str(record), "PYTHONPATH": str(REPO / "bench")})
+    assert code == 1, output
+    summary = gpu_call.pack_summary(record)
+    assert summary == {"collected": ["test_three.py::test_a", "test_three.py::test_b", "test_three.py::test_c"],
+                       "outcomes": {"test_three.py::test_a": "passed", "test_three.py::test_b": "failed"},
+                       "not_reached": ["test_three.py::test_c"]}
+    lines = gpu_call.pack_lines(summary, code, False, 3.0, 8)
+    assert lines == ["pack: 1 failed, 1 passed, 1 not reached, of 3 collected (pytest exit 1 in 3 s, 8 workers; "
+                     "pack.log, pack.jsonl)", "- failed: test_three.py::test_b", "- not reached: test_three.py::test_c"]
+    cmd = gpu_call.pack_command(8, "python3")  # the GPU file alone: no worker collects the whole suite
+    assert cmd[3:6] == ["tests/test_gpu.py", "-m", "gpu"] and cmd[cmd.index("-n") + 1] == "8"
+
+
+# ---- the table's order, its files per part, a part cut by the budget -------------------------------------------
+def test_parts_run_the_fine_tunes_first():
+    """PARTS: the fine-tune parts (and the places of those to come) before everything the first contact measured."""
+    first = [p.folder for p in gpu_table.PARTS if p.first]
+    assert first == ["finetune-full", "finetune-lora", "finetune-padded", "finetune-lora-zero3",
+                     "finetune-chunked-loss", "finetune-qlora"]
+    assert [p.folder for p in gpu_table.PARTS][:len(first)] == first
+    assert [name for name, _ in gpu_table.stages(gpu_table.selected(["mnist", "finetune-padded"]))] == \
+        ["fine-tune", "the rest"]
+    # what the budget reaches by the estimates, in order (a warm-up for a part never reached would waste it)
+    parts = {p.folder: p for p in gpu_table.PARTS}
+    assert [p.folder for p in gpu_table.reachable(gpu_table.stages(gpu_table.PARTS)[0][1], 200)] == [
+        "finetune-full", "finetune-lora", "finetune-padded"]  # 90 + 80 + 35 s; ZeRO-3 LoRA's 60 s would not start
+    # a compiled run whose warm-up did not end is left out of its part's command
+    argv = gpu_table.part_argv(parts["finetune-full"], 989.0, {}, 1, leave_out=("1gpu_compile.yaml",))
+    assert argv[argv.index("--configs") + 1:argv.index("--steps")] == ["1gpu.yaml"]
+
+
+STAND_IN = """
+import json, os, pathlib, signal, sys, time
+part, root = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+with open(root / "ran.txt", "a") as f:
+    f.write(part.name + "\\n")
+row = {"name": "1gpu.yaml", "processes": 1, "unit": "tokens_per_s", "throughput": 50000.0, "mfu": 0.3,
+       "step_ms": 160.0, "peak_memory_mb_per_rank": [30000.0], "padding_share": 0.01}
+def report(runs=()):
+    part.mkdir(parents=True, exist_ok=True)
+    (part / "results.json").write_text(json.dumps({"table": [row], "ratios": {}, "runs": list(runs), "settings": {},
+                                                   "hardware": {"label": "1 x H100", "host": "h", "torch": "2.11"}}))
+if part.name == "finetune-full":
+    report()
+elif part.name == "finetune-padded":
+    (root / "seen.json").write_text((root / "out" / "table.json").read_text())
+    (root / "padded.log").write_text("boom: out of memory\\n")
+    report([{"name": "1gpu.yaml", "exit_code": 1, "failed": "boom", "log": str(root / "padded.log")}])
+    sys.exit(1)
+else:
+    signal.signal(signal.SIGTERM, lambda *_: (report(), sys.exit(0)))
+    time.sleep(60)
+"""
+
+
+def test_table_writes_each_part_as_it_ends_and_lists_what_it_did_not_reach(tmp_path, monkeypatch, capsys):
+    """gpu_table() on a pretend GPU, its parts stood in for: they run in PARTS' order (the fine-tunes first,
+    whatever the order asked), table.json and table.md are rewritten the moment each part ends (the next part reads
+    them), a failed run's log tail lands in failures.log, a compiled run whose warm-up did not end is left out of
+    its part, the part still running at the budget is stopped and its report kept, the parts after it are listed
+    as not reached and the parts to come as not built yet; the exit code says the table is incomplete."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_table, "write_inputs", lambda work, parts: ({}, {}))
+    monkeypatch.setattr(gpu_table, "START_SHARE", 0.0)  # the stand-ins need no time of their own
+    monkeypatch.setattr(gpu_table, "STOP_GRACE_S", 1)
+    monkeypatch.chdir(REPO)
+    warmed, built = [], []
+
+    def warm_phase(commands, parts, work, gpus, limit_s):
+        warmed.append([folder for folder, _ in commands])
+        return {"finetune-full: 1gpu_compile.yaml": "stopped after 40 s"} if len(warmed) == 1 else {}
+
+    def part_command(part, work, peak, inputs, gpus, leave_out=()):
+        built.append((part.folder, tuple(leave_out)))
+        return [sys.executable, "-c", STAND_IN, str(work / part.folder), str(tmp_path)]
+    monkeypatch.setattr(gpu_table, "warm_phase", warm_phase)
+    monkeypatch.setattr(gpu_table, "part_command", part_command)
+    args = argparse.Namespace(out=str(tmp_path / "out"), work=str(tmp_path / "work"), peak_tflops=0.0, no_warm=False,
+                              parts=["fsdp-units", "mnist", "gpt", "finetune-qlora", "finetune-padded",
+                                     "finetune-full"], budget_s=4.0)  # gpt waits for it: a few seconds
+    assert gpu_table.gpu_table(args) == 1
+    assert (tmp_path / "ran.txt").read_text().split() == ["finetune-full", "finetune-padded", "gpt"]
+    assert warmed == [["finetune-full"], ["gpt"]]  # in each stage the first (the estimates reach no more)
+    assert ("finetune-full", ("1gpu_compile.yaml",)) in built  # its unwarmed compiled run left out
+    seen = json.loads((tmp_path / "seen.json").read_text())  # what finetune-padded found when it started
+    assert seen["statuses"]["finetune-full"].startswith("done") and "finetune-full" in seen["parts"]
+    table = json.loads((tmp_path / "out" / "table.json").read_text())
+    statuses = table["statuses"]
+    assert list(statuses) == ["finetune-full", "finetune-padded", "finetune-qlora", "gpt", "mnist", "fsdp-units"]
+    assert statuses["finetune-full"] == ("done; not measured: 1gpu_compile.yaml (its compile warm-up did not end, "
+                                         "so it would have compiled inside its measured run)")
+    assert statuses["finetune-padded"] == "failed (exit 1): see failures.log"
+    assert statuses["finetune-qlora"] == "not built yet: recipes/finetune_lm.py has no QLoRA yet"
+    assert statuses["gpt"] == "stopped at the table's budget (the runs it finished are in its report)"
+    assert statuses["mnist"].startswith("not reached: ") and statuses["fsdp-units"].startswith("not reached: ")
+    assert set(table["parts"]) == {"finetune-full", "finetune-padded", "gpt"}  # the stopped part's report kept
+    markdown = (tmp_path / "out" / "table.md").read_text()
+    assert "| gpt | 1gpu.yaml | 1 | 50000 tokens/s | 30.0% |" in markdown and "- mnist: not reached: " in markdown
+    assert "boom: out of memory" in (tmp_path / "out" / "failures.log").read_text()
+    assert "gpu table: gpt: stopped at the table's budget" in capsys.readouterr().out
+
+
+# ---- the one command -------------------------------------------------------------------------------------------
+def test_one_command_dry_run_without_cuda_shows_the_plan_the_budget_and_the_order(tmp_path):
+    """`bash bench/gpu_pack.sh --dry-run` where CUDA is absent: the plan, the budget split and the parts in the
+    order they run; the real command there stops in one line (exit 2) before installing or writing anything."""
+    code, output = run_command(["bash", "bench/gpu_pack.sh", "--dry-run", "--budget-s", "300"], env=NO_CUDA,
+                               timeout=120)
+    assert code == 0, output
+    assert "CUDA absent: a real call here stops (exit 2)" in output
+    split = gpu_call.split_budget(300, gpu_call.INSTALL_EXPECTED_S)
+    assert (f"budget: 300 s = install {gpu_call.INSTALL_EXPECTED_S} s + pack cap {split['pack']:.0f} s (each launch "
+            f"at most {split['launch']:.0f} s) + table {split['table']:.0f} s") in output, output
+    assert "pytest tests/test_gpu.py -m gpu" in output
+    parts = [p.folder for p in gpu_table.PARTS]
+    order = ["1. install", "2. pack", "3. table", "inputs", *(f"{i}. {part} " for i, part in enumerate(parts, 1)),
+             "output:"]
+    at = [output.index(word) for word in order]
+    assert at == sorted(at), list(zip(order, at))
+    assert "not built yet: recipes/finetune_lm.py has no QLoRA yet" in output
+    assert "beyond the budget by the estimates" in output  # 300 s reaches the fine-tunes, not the rest
+    code, output = run_command(["bash", "bench/gpu_pack.sh", "--budget-s", "300", "--out", str(tmp_path / "o")],
+                               env={**NO_CUDA, "OUT": ""}, timeout=120)
+    assert code == 2 and output.strip().splitlines() == [
+        "error: no CUDA device here: the GPU call needs one (see its plan with --dry-run; on a CPU run the suite: "
+        "README, 'Tests')"], output
+    assert not (tmp_path / "o").exists()
