@@ -174,6 +174,12 @@ def test_a_malformed_json_line_is_named_by_file_and_line(tiny):
     name = write_jsonl(tiny / "changing.jsonl", pairs[:9] + [{"prompt": "x", "response": {"text": "y"}}] + pairs[9:])
     message = refusal(tiny, name)  # `datasets` reads it; the record is refused by its line
     assert message.startswith(f"{tiny / name}, line 10: the column 'response' holds {{'text': 'y'}}, not text"), message
+    # A type that changes inside a column, after a blank line: `datasets` cannot read this one; the line is named
+    # either way (a blank line is not a record, and does count as a line).
+    chats, bad = [{"messages": c} for c in conversations(30)], {"messages": [{"role": "user", "content": 5}]}
+    nested = write_jsonl(tiny / "nested.jsonl", chats[:3] + [{}] + chats[3:7] + [bad] + chats[7:], {4: ""})
+    message = refusal(tiny, nested)
+    assert message.startswith(f"{tiny / nested}, line 9: ") and "content" in message, message
     from finetune_data.examples import json_problem  # where `datasets` cannot read such a file, this names the line
     assert json_problem(str(tiny / name)) == (f"{tiny / name}, line 10: not a record like the others (its "
                                               f"'response' holds an object, the records before text); fix or "

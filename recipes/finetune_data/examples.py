@@ -207,12 +207,25 @@ def record_problem(line):
 
 
 def kind_problem(record, kinds):
-    """None, or which column holds another kind of value (text, list, object, number) than in the records before."""
-    for column, value in record.items():
+    """None, or which value holds another kind (text, list, object, number) than at the same place in the records
+    before: a column, or a key inside one (`messages[].content`), as Arrow needs one type per place."""
+    for place, value in leaves(record):
         kind = KINDS.get(type(value).__name__, type(value).__name__)
-        if value is not None and kinds.setdefault(column, kind) != kind:
-            return f"its {column!r} holds {kind}, the records before {kinds[column]}"
+        if value is not None and kinds.setdefault(place, kind) != kind:
+            return f"its {place!r} holds {kind}, the records before {kinds[place]}"
     return None
+
+
+def leaves(value, place=""):
+    """(place, value) of every value in a JSON record, lists and objects included, their items as `place[]`."""
+    if place:
+        yield place, value
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from leaves(item, f"{place}.{key}" if place else key)
+    elif isinstance(value, list):
+        for item in value:
+            yield from leaves(item, f"{place}[]")
 
 
 def record_location(files, index):
