@@ -135,3 +135,4 @@ def test_deepspeed_config_may_not_contradict_the_flags(launch, tmp_path):
     run = launch(str(bad), *SHORT, launch_args=FP32, check=False)
     assert run.returncode != 0
     assert "gradient_accumulation_steps=4" in run.output and "remove those keys" in run.output
+    assert "DATA:" not in run.output, run.output[-3000:]  # refused before the data loads (issue 41, item 3)

@@ -114,11 +114,16 @@ def refuse_optimizer_offload(accelerator, why, instead):
                           f"use {instead} instead.", everyone=True)
 
 
-def check_deepspeed_flags(accelerator, grad_accum, max_grad_norm):
-    """The flags decide accumulation and clipping; a DeepSpeed config that says otherwise is an error."""
+def check_deepspeed_flags(accelerator, grad_accum, max_grad_norm, prepared=True):
+    """The flags decide accumulation and clipping; a DeepSpeed config that says otherwise is an error. Before
+    prepare() (prepared=False) the JSON's own numbers are compared, so that the refusal comes before any data or
+    model loads; after it, what accelerate made of them ('auto' filled in)."""
     ds = deepspeed_config(accelerator)
-    if ds and (accelerator.gradient_accumulation_steps != grad_accum
-               or float(ds.get("gradient_clipping", 0.0)) != max_grad_norm):
+    if not ds:
+        return
+    accum = accelerator.gradient_accumulation_steps if prepared else ds.get("gradient_accumulation_steps", "auto")
+    clip = ds.get("gradient_clipping", 0.0 if prepared else "auto")
+    if (accum != "auto" and accum != grad_accum) or (clip != "auto" and float(clip) != max_grad_norm):
         fail(accelerator, f"the DeepSpeed config sets gradient_accumulation_steps="
                           f"{ds.get('gradient_accumulation_steps')} and gradient_clipping="
                           f"{ds.get('gradient_clipping')}, the flags say {grad_accum} and {max_grad_norm}: "

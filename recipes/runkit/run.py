@@ -134,6 +134,7 @@ class Run:
             refuse_optimizer_offload(accelerator, *refuse_offload)
         check_batch(accelerator, batch_size, self.grad_accum, eval_batch_size)
         deepspeed_clip_like(accelerator, max_grad_norm)
+        check_deepspeed_flags(accelerator, self.grad_accum, max_grad_norm, prepared=False)
         fsdp_reduce_in_fp32(accelerator)
         self.engine_facts = engine_facts(accelerator)
         self.default_output_dir = default_output_dir or os.path.join("runs", self.name, run_label(accelerator))
