@@ -467,9 +467,10 @@ def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
     assert json.loads((pair / "summary.json").read_text())["world_size"] == 2
     assert sorted(p.name for p in (tmp_path / "runs" / "mnist").iterdir()) == ["1proc", "ddp-2proc"]
 
-    # The first command again: complete, results named, nothing rewritten, exit 0.
+    # The first command again: complete, results named, nothing rewritten, exit 0, answered before the data loads.
     code, output = run_command(single, cwd=tmp_path)
     assert code == 0 and "this run is already complete" in output and "runs/mnist/1proc" in output, output[-3000:]
+    assert "DATA:" not in output, output[-3000:]
     assert digest(alone / "summary.json") == first
 
     # As if it had been stopped after step 9's save: the same run continued by 2 processes, still without

@@ -209,14 +209,15 @@ def test_figures_finds_the_numbers_of_a_result():
 
 
 def test_setup_advice_comes_before_the_first_command():
-    """A new user follows the README from the top: the virtual environment, the install and where a CPU-only torch
-    comes from are said before the first command; docs/install.md, which the README links there, gives the CPU index
-    and what happens when it does not answer before its first command that installs the requirements."""
+    """A new user follows the README from the top: the virtual environment and where a CPU-only torch comes from are
+    said before the first command, which itself installs first; docs/install.md, which the README links there, gives
+    the CPU index and what happens when it does not answer before its first command that installs the requirements."""
     text = README.read_text(encoding="utf-8")
     before = text[:text.index("```bash")]
-    for advice in ("python3 -m venv", "pip install -r requirements.txt",
-                   "--index-url https://download.pytorch.org/whl/cpu", "(docs/install.md)"):
+    for advice in ("python3 -m venv", "--index-url https://download.pytorch.org/whl/cpu", "(docs/install.md)"):
         assert advice in before, f"README.md: say {advice!r} before the first command, not after it"
+    first = text[text.index("```bash"):].split("\n")[1]
+    assert first.startswith("python3 -m pip install -r requirements.txt && "), "the first command installs first"
     install = (DOCS / "install.md").read_text(encoding="utf-8")
     first_command = re.search(r"^```bash\n(?:.*\n)*?.*pip install -r requirements\.txt", install, re.M)
     assert first_command, "docs/install.md has no command block that installs requirements.txt"
@@ -227,16 +228,19 @@ def test_setup_advice_comes_before_the_first_command():
 
 def test_readme_front_page_has_two_commands_and_the_map_in_40_lines():
     """Issue 41, item 11: the first command was at line 39, after 20 lines of pip advice, with a 778-character list of
-    accelerate calls at line 11 and the map at line 194. Now within the first 40 lines: the MNIST command, the
-    fine-tune a two-GPU owner came for, and the map of the repository; no line of prose (tables aside) runs past 300
-    characters."""
+    accelerate calls at line 11 and the map at line 194. Now within the first 40 lines: the two commands of the front
+    page (one that installs and trains MNIST, one that installs and runs the tests, as .ci/run does), the fine-tune a
+    two-GPU owner came for, and the map of the repository; no line of prose (tables aside) runs past 300 characters."""
     lines = README.read_text(encoding="utf-8").splitlines()
     top = "\n".join(lines[:40])
     commands = re.findall(r"^```bash\n(.*?)^```", top, re.M | re.S)
-    assert len(commands) == 2, commands
-    assert re.search(r"accelerate launch --config_file accelerate_configs/\S+\.yaml .*recipes/mnist\.py", commands[0])
+    assert len(commands) == 3, commands
+    assert re.search(r"pip install -r requirements\.txt && .*accelerate launch --config_file accelerate_configs/\S+"
+                     r"\.yaml .*recipes/mnist\.py", commands[0]), commands[0]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert all(line in ci for line in commands[1].strip().splitlines()), commands[1]  # what CI runs, line for line
     assert re.search(r"accelerate launch --config_file accelerate_configs/2gpu\.yaml recipes/finetune_lm\.py",
-                     commands[1]) and "--model" in commands[1], commands[1]
+                     commands[2]) and "--model" in commands[2], commands[2]
     the_map = re.search(r"^## The map\n\n```\n(.*?)^```", top, re.M | re.S)
     assert the_map, "no map in the first 40 lines"
     for place in ("recipes/", "recipes/runkit/", "accelerate_configs/", "cpu_route/", "launch/", "docs/", "tests/"):

@@ -176,8 +176,9 @@ def test_every_manifest_field_is_checked_for_type_and_range(tmp_path):
 
 def test_train_state_fields_are_checked_for_type_and_range():
     """Issue 36, M1 and M2: what Run writes, field by field (train_state.TRAIN_STATE)."""
-    state = {"step": 2, "epoch": 0, "step_in_epoch": 2, "epochs_run": 1, "first_loss": 2.5, "final_loss": None,
-             "last_eval": None, "train_time": 1.5, "output_dir": "out", "stopped": False, "run_id": "0f" * 16,
+    state = {"step": 2, "total_steps": 20, "epoch": 0, "step_in_epoch": 2, "epochs_run": 1, "first_loss": 2.5,
+             "final_loss": None, "last_eval": None, "train_time": 1.5, "output_dir": "out", "stopped": False,
+             "run_id": "0f" * 16,
              "window": {"loss_sums": [1.0, 2.0], "micro": 1, "data_time": 0.1, "compute_time": 0.2}}
     layout = {**LAYOUT, "world_size": 2}
     assert train_state.state_problem(manifest_with(train_state=state, layout=layout)) is None

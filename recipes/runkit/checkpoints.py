@@ -73,7 +73,7 @@ from .resharding import (
     set_micro_batch_counter,
     universal_part,
 )
-from .resume_rules import checkpoint_kind, incompatibility, layout, reshaped
+from .resume_rules import RESHAPE, checkpoint_kind, incompatibility, layout, reshaped
 from .safe_loading import UnsafeCheckpointFile, weights_only_loading
 from .train_state import state_problem
 
@@ -120,6 +120,24 @@ def peek(directory, resume):
         if path == resume or not files_problem(manifest):
             return path, manifest
     return None
+
+
+def finished(peeked, directory, flags):
+    """Main process: the path of the checkpoint the resume would take (peek's) when it ends the run it belongs to, so
+    the same command again can say so before any data or model loads: it continues `directory` (this run's
+    --checkpoint-dir), holds its run's last step, was written with these `flags` (resume_rules.must_match_settings
+    without data facts; what RESHAPE lets change aside), and verifies here (checksums and formats, as choose()
+    checks them). None otherwise: start() then decides with the model built."""
+    if not (peeked and directory and os.path.realpath(os.path.dirname(peeked[0])) == os.path.realpath(directory)):
+        return None
+    path, manifest = peeked
+    state, saved = manifest["train_state"], manifest["must_match"]
+    if state_problem(manifest) or state["step"] != state["total_steps"] or any(
+            saved.get(k) != v for k, v in flags.items() if k not in RESHAPE):
+        return None
+    with HeldCheckpoint(path, manifest["files"], follow=False) as held:
+        damage, unsafe = held.share_problems(0, 1)
+    return None if damage or unsafe else path
 
 
 def _written_by_another(accelerator, path, manifest, recipe):

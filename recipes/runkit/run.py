@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from . import results
-from .checkpoints import Checkpointer, lock_directory
+from .checkpoints import Checkpointer, finished, lock_directory
 from .collectives import main_process_result
 from .engines import (
     cast_buffers_for_half_precision,
@@ -141,6 +141,7 @@ class Run:
         # The directory's lock first: a second run on it stops in seconds, before it loads data or a model.
         self.lock, self.peeked = lock_directory(accelerator, self.args.checkpoint_dir, self.args.resume, self.name)
         self._place_results(self.peeked)
+        self._complete_before_loading()
 
     def _place_results(self, checkpoint):
         """Collective: the output directory and the run's id, decided by the main process (results.choose) for a run
@@ -154,6 +155,15 @@ class Run:
             result = ((place, run_id, note), error)
         place, self.run_id, self.results_note = main_process_result(acc, result)
         self._write_results_to(place)
+
+    def _complete_before_loading(self):
+        """Collective: the same command again after the run finished is answered here, before any data or model
+        loads, when the checkpoint the resume would take says so (checkpoints.finished); else start() decides."""
+        acc, done = self.accelerator, None
+        if acc.is_main_process and self.args.resume == "auto":
+            done = finished(self.peeked, self.args.checkpoint_dir, must_match_settings(self.args, self.may_change, {}))
+        if main_process_result(acc, (done, None)):
+            self._already_complete(done, self.peeked[1])
 
     def _continues(self, checkpoint):
         """(run id, its recorded output directory) of the run that wrote `checkpoint` when this run continues it: the
@@ -266,9 +276,12 @@ class Run:
         """The same command again after the run finished: say where its results are, change nothing, exit 0."""
         state = manifest["train_state"]
         self.print(f"this run is already complete: {path} holds its last step ({state['step']} of "
-                   f"{self.total_steps}); its results are in {self.output_dir} (summary.json, metrics.jsonl). Nothing "
-                   f"was changed. To train again, give another --checkpoint-dir.")
-        self.checkpointer.release()
+                   f"{state['total_steps']}); its results are in {self.output_dir} (summary.json, metrics.jsonl). "
+                   f"Nothing was changed. To train again, give another --checkpoint-dir.")
+        if getattr(self, "checkpointer", None):
+            self.checkpointer.release()
+        elif self.lock:
+            self.lock.release()
         sys.exit(teardown(self.accelerator, 0))
 
     def _train_time(self):
@@ -434,7 +447,8 @@ class Run:
         s["window"] = self.timer.window_state()  # collective
         # "stopped": a checkpoint saved for a stop (stopping.py's command reads it).
         self.checkpointer.save(s["step"], {**s, "train_time": self._train_time(), "output_dir": self.output_dir,
-                                           "run_id": self.run_id, "stopped": self.stopping})
+                                           "run_id": self.run_id, "stopped": self.stopping,
+                                           "total_steps": self.total_steps})
         self._after_training("checkpoint_s", started)
 
     # ---- the end ----------------------------------------------------------------------------------

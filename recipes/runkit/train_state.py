@@ -22,7 +22,7 @@ def _scalar(value):
 # with its type and range; a manifest whose train_state holds anything else is not one this code wrote. The window
 # (timing.py's window_state) is checked against the layout's world size in state_problem.
 TRAIN_STATE = {
-    "step": whole, "epoch": whole, "step_in_epoch": whole, "epochs_run": whole,
+    "step": whole, "total_steps": whole, "epoch": whole, "step_in_epoch": whole, "epochs_run": whole,
     "first_loss": lambda v: v is None or _number(v), "final_loss": lambda v: v is None or _number(v),
     # Numbers only: an evaluation's figures reach summary.json, which must carry no string from a checkpoint.
     "last_eval": lambda v: v is None or (isinstance(v, dict) and whole(v.get("step"))
