@@ -2,7 +2,8 @@
 
 docs/writing-a-recipe.md is the contract a recipe relies on. One module per concern:
 
-    run.py           Run: the object a recipe's loop calls; when to evaluate and when to save
+    run.py           Run: the object a recipe's loop calls; the façade over the modules below
+    cadence.py       when to evaluate and when to save: a small object of pure functions
     flags.py         the run services' flags (RUN_FLAGS, add_run_args), with their help
     checkpoints.py   --checkpoint-dir: its lock, saving, choosing, loading and rotating checkpoints
     resume_rules.py  what a resumed run must share with the checkpoint, and what it may change
@@ -17,7 +18,7 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     sharded_model.py run.sharded_init(): the model built sharded under ZeRO-3 and FSDP
     stopping.py      stop signals, the agreement between ranks, exit code 75, dying with the launcher
     timing.py        the data / forward+backward / optimizer / other split, without stalling the GPU
-    reporting.py     metrics.jsonl, --report-to, --profile, memory, summary.json
+    reporting.py     metrics.jsonl, the progress and evaluation lines, --report-to, --profile, memory, summary.json
     refusals.py      launches that would train wrongly, refused at start-up with one message
     engines.py       what accelerate set up, the adjustments that make every engine train alike, the export
     optimizers.py    which optimizer really steps, and the scheduler pointed at it

@@ -3,8 +3,8 @@
 Owns metrics.jsonl and eval.jsonl (MetricsLog), the libraries' progress bars kept out of log files,
 --report-to (accelerate's TensorBoard tracker and curves.png), --profile (a torch.profiler trace per rank),
 the peak memory and the parameters each rank holds (footprint), and summary.json with its SUMMARY line
-(write_summary: the file complete, the line the figures a person reads). The fields are defined in
-docs/measuring.md.
+(run_summary: its fields, in order; write_summary: the file complete, the line the figures a person reads), the
+progress and evaluation lines (progress_line, evaluation_line). The fields are defined in docs/measuring.md.
 """
 
 import io
@@ -235,3 +235,53 @@ def write_summary(output_dir, summary, shown=None):
     """Main process: summary.json, complete, and the SUMMARY line (summary_line) that scripts can grep."""
     write_file(os.path.join(output_dir, "summary.json"), json.dumps(summary, indent=2))
     print(summary_line(summary, shown), flush=True)
+
+
+def shown(key, value):
+    """One figure of a progress or evaluation line: an accuracy as a percentage, a float to 4 decimals."""
+    name = key.replace("_", " ")
+    if isinstance(value, float):
+        return f"{name} {100 * value:.2f}%" if key.endswith("accuracy") else f"{name} {value:.4f}"
+    return f"{name} {value}"
+
+
+def progress_line(record, fields, total_steps, unit):
+    """A progress line: the step, the loss and the recipe's own fields, the throughput (and MFU), and where a
+    micro-batch's time went (timing.py's split)."""
+    rate = record[f"{unit}_per_s" if unit == "tokens" else "samples_per_s"]
+    own = "".join(f" | {shown(k, v)}" for k, v in fields.items())
+    mfu = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
+    return (f"epoch {record['epoch']} step {record['step']}/{total_steps} | loss {record['loss']:.4f}{own} | "
+            f"{rate:.0f} {unit}/s{mfu} | per micro-batch: data {record['data_ms']:.1f} ms, forward+backward "
+            f"{record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms, other "
+            f"{record['other_ms']:.1f} ms ({100 * record['data_fraction']:.0f}% waiting for data)")
+
+
+def evaluation_line(when, result):
+    """An evaluation's line: when it ran, and each of its figures."""
+    return f"{when} | " + " | ".join(shown(k, v) for k, v in result.items())
+
+
+def run_summary(run, state, rates, timer, weights, measured, recipe_fields):
+    """(summary.json's fields in their order, the fields the SUMMARY line shows) of a finished run: run (Run's facts:
+    who ran, on what, from which checkpoint), its training state, rates ({unit}_per_s, and mfu where the recipe
+    counts FLOPs), timer (timing.StepTimer), the exported weights, measured (memory, the steady-state timing, the
+    checkpoints' and the end's times), recipe_fields (what the recipe adds: linear_regression's m and n...)."""
+    evaluation = {k: v for k, v in (state["last_eval"] or {}).items() if k != "step"}
+    summary = {
+        "recipe": run["recipe"], "output_dir": run["output_dir"], **run["engine"], "optimizer": run["optimizer"],
+        "optimizer_implementation": run["optimizer_implementation"], "steps": state["step"],
+        "epochs": state["epochs_run"], "resumed_from_step": run["resumed_from_step"],
+        "resumed_from_world_size": run["resumed_from_world_size"], "resume_changes": run["resume_changes"],
+        "first_loss": state["first_loss"], "final_loss": state["final_loss"], **evaluation, **rates,
+        "data_time_s": timer.total_data, "compute_time_s": timer.total_compute,
+        "data_fraction": timer.total_data / max(timer.total_data + timer.total_compute, 1e-9),
+        "exported_dtype": "float32",
+        "param_elements": sum(v.numel() for k, v in weights.items() if v.is_floating_point() and "running" not in k),
+        "model_init": run["model_init"], **run["peaks_at_start"],
+        **{k: v for k, v in measured.items() if k != "end_of_run"}, **recipe_fields,
+        "checkpoints": measured["checkpoints"], "end_of_run": measured["end_of_run"],
+        "compiled_graphs": compiled_graphs(), "wall_time_s": run["wall_time_s"], "args": run["args"]}
+    # The line shows the recipe's own figures among its fields (linear_regression's m and n), not its texts.
+    numbers = [k for k, v in recipe_fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return summary, [*evaluation, *rates, *numbers]

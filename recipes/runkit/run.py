@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from . import results
+from .cadence import Cadence, Progress
 from .checkpoints import Checkpointer, finished, lock_directory
 from .collectives import main_process_result
 from .engines import (
@@ -66,11 +67,13 @@ from .refusals import (
 from .reporting import (
     MetricsLog,
     StepProfiler,
-    compiled_graphs,
+    evaluation_line,
     footprint,
     peaks_at_start,
     plot_curves,
+    progress_line,
     quiet_progress_bars,
+    run_summary,
     start_tracking,
     write_summary,
 )
@@ -224,7 +227,9 @@ class Run:
         # Global samples (or tokens) per forward pass, for the throughput.
         self.samples_per_micro = self.batch_size // self.grad_accum * units_per_sample
         self.flops_per_unit, self.peak_tflops = flops_per_unit, peak_tflops
-        self.evaluate_fn, self.eval_every = evaluate, eval_every
+        self.evaluate_fn = evaluate
+        self.cadence = Cadence(steps_per_epoch, total_steps, evaluates=evaluate is not None, eval_every=eval_every,
+                               saves=bool(args.checkpoint_dir), checkpoint_every=args.checkpoint_every)
         must_match = must_match_settings(args, self.may_change, data_facts or {})
         self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock,
                                          self.name)
@@ -350,37 +355,16 @@ class Run:
         self.timer.bookkeeping_done()
         return self.stopping or step >= self.total_steps
 
-    # ---- the two decisions: when to evaluate, when to save ----------------------------------------
-    def _ends_epoch_body(self):
-        """This step is followed by the epoch boundary in epochs(): the epoch's last step, the run's, or a stop."""
-        s = self.state
-        return self.stopping or s["step_in_epoch"] == self.steps_per_epoch or s["step"] >= self.total_steps
+    # ---- the two decisions: when to evaluate, when to save (cadence.py) ----------------------------
+    def _at(self):
+        return Progress(self.state["step"], self.state["step_in_epoch"], self.stopping)
 
     def _evaluation_due(self, where):
-        """Every eval_every steps and at the last step; or, with eval_every 0, at each epoch's end; and at
-        the end of a run whose last evaluation is not of its last step (--epochs 0 evaluates the initial
-        model). Never after a stop: the resumed run evaluates where the uninterrupted one would have."""
-        if not self.evaluate_fn or self.stopping:
-            return False
-        if where == "end":
-            return self.state["last_eval"] is None or self.state["last_eval"]["step"] != self.state["step"]
-        if where == "step":
-            return bool(self.eval_every) and (self.state["step"] % self.eval_every == 0
-                                              or self.state["step"] >= self.total_steps)
-        return not self.eval_every
+        last = self.state["last_eval"]
+        return self.cadence.evaluation_due(where, self._at(), last and last["step"])
 
     def _checkpoint_due(self, where):
-        """At a stop and at the last step, always. Otherwise every --checkpoint-every steps when it is given,
-        else at each epoch's end. A step that ends an epoch's body is saved at the epoch boundary, after its
-        evaluation, so the checkpoint holds it."""
-        s, every = self.state, self.args.checkpoint_every
-        if not self.args.checkpoint_dir or s["step"] == self.checkpointer.last_saved_step:
-            return False
-        if where == "step":
-            return bool(every) and s["step"] % every == 0 and not self._ends_epoch_body()
-        if self.stopping or s["step"] >= self.total_steps:
-            return True
-        return s["step"] % every == 0 if every else True
+        return self.cadence.checkpoint_due(where, self._at(), self.checkpointer.last_saved_step)
 
     # ---- what the decisions trigger -----------------------------------------------------------------
     def _log(self, step, fields):
@@ -394,13 +378,7 @@ class Run:
             record["mfu"] = self._mfu(record[rate])
         s["first_loss"] = record["loss"] if s["first_loss"] is None else s["first_loss"]
         s["final_loss"] = record["loss"]
-        shown = "".join(f" | {_shown(k, v)}" for k, v in fields.items())
-        mfu = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
-        line = (f"epoch {s['epoch']} step {step}/{self.total_steps} | loss {record['loss']:.4f}{shown} | "
-                f"{record[rate]:.0f} {self.unit}/s{mfu} | per micro-batch: data {record['data_ms']:.1f} ms, "
-                f"forward+backward {record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} "
-                f"ms, other {record['other_ms']:.1f} ms ({100 * record['data_fraction']:.0f}% waiting for data)")
-        self._say(line)
+        self._say(progress_line(record, fields, self.total_steps, self.unit))
         return record
 
     def _say(self, line):
@@ -437,7 +415,7 @@ class Run:
         s = self.state
         s["last_eval"] = {"step": s["step"], **result}
         self.evals.write({"step": s["step"], "epoch": s["epoch"], **result, "train_time_s": self._train_time()})
-        self._say(f"{when} | " + " | ".join(_shown(k, v) for k, v in result.items()))
+        self._say(evaluation_line(when, result))
         self.timer.restart()  # evaluation is not data wait
         return result
 
@@ -490,40 +468,36 @@ class Run:
     def _write_results(self, weights, exported, train_time, fields, started):
         """Main process: close the logs, draw the curves, write summary.json with its SUMMARY line, name the files.
         fields: (the memory footprint, the steady-state timing, the recipe's extra fields)."""
-        args, s, out, t = self.args, self.state, self.output_dir, self.timer
+        s, out, t = self.state, self.output_dir, self.timer
         shards, timing, summary = fields
         this_run = s["step"] - (self.resumed_from or 0)
         rate = this_run * self.samples_per_micro * self.grad_accum / max(train_time - self._resumed_time, 1e-9)
         self.metrics.close()
         if self.evals:
             self.evals.close()
-        if args.report_to != "none":
+        if self.args.report_to != "none":
             self.print(f"curves: {plot_curves(out, self.name)}")
-        evaluation = {k: v for k, v in (s["last_eval"] or {}).items() if k != "step"}
         end = {**self.end_of_run, "report_s": time.perf_counter() - started}
         end["total_s"] = time.perf_counter() - self.trained_at
-        # The line shows the recipe's own figures among its extra fields (linear_regression's m and n), not its texts.
-        numbers = [k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        extra = {**shards, "timing": timing, **summary, "checkpoints": self.checkpointer.times}
-        write_summary(out, {
-            "recipe": self.name, "output_dir": out, **self.engine_facts, "optimizer": optimizer_name(self.optimizer),
-            "optimizer_implementation": implementation(self.optimizer), "steps": s["step"],
-            "epochs": s["epochs_run"], "resumed_from_step": self.resumed_from,
-            "resumed_from_world_size": self.resumed_layout and self.resumed_layout["world_size"],
-            "resume_changes": self.checkpointer.reshaped, "first_loss": s["first_loss"],
-            "final_loss": s["final_loss"], **evaluation, f"{self.unit}_per_s": rate,
-            **({"mfu": self._mfu(rate) if self.peak_tflops else None} if self.flops_per_unit else {}),
-            "data_time_s": t.total_data, "compute_time_s": t.total_compute,
-            "data_fraction": t.total_data / max(t.total_data + t.total_compute, 1e-9), "exported_dtype": "float32",
-            "param_elements": sum(v.numel() for k, v in weights.items()
-                                  if v.is_floating_point() and "running" not in k),
-            "model_init": self.model_init, **self.peaks_at_start, **extra, "end_of_run": end,
-            "compiled_graphs": compiled_graphs(),
-            "wall_time_s": time.perf_counter() - self.t_start, "args": vars(args)},
-            shown=[*evaluation, f"{self.unit}_per_s", "mfu", *numbers])
-        results = [os.path.join(out, name) for name in ("summary.json", "metrics.jsonl", "eval.jsonl")
+        rates = {f"{self.unit}_per_s": rate}
+        if self.flops_per_unit:
+            rates["mfu"] = self._mfu(rate) if self.peak_tflops else None
+        measured = {**shards, "timing": timing, "checkpoints": self.checkpointer.times, "end_of_run": end}
+        write_summary(out, *run_summary(self._run_facts(), s, rates, t, weights, measured, summary))
+        written = [os.path.join(out, name) for name in ("summary.json", "metrics.jsonl", "eval.jsonl")
                    if os.path.exists(os.path.join(out, name))]
-        self.print("results: " + ", ".join(results + [exported]))
+        self.print("results: " + ", ".join(written + [exported]))
+
+
+    def _run_facts(self):
+        """What the summary says of the run itself (reporting.run_summary): who ran, on what, from which checkpoint."""
+        return {"recipe": self.name, "output_dir": self.output_dir, "engine": self.engine_facts,
+                "optimizer": optimizer_name(self.optimizer), "optimizer_implementation": implementation(self.optimizer),
+                "resumed_from_step": self.resumed_from,
+                "resumed_from_world_size": self.resumed_layout and self.resumed_layout["world_size"],
+                "resume_changes": self.checkpointer.reshaped, "model_init": self.model_init,
+                "peaks_at_start": self.peaks_at_start, "wall_time_s": time.perf_counter() - self.t_start,
+                "args": vars(self.args)}
 
 
 def eager_if_compiled():
@@ -531,10 +505,3 @@ def eager_if_compiled():
     if hasattr(torch.compiler, "set_stance"):
         return torch.compiler.set_stance("force_eager")
     return contextlib.nullcontext()
-
-
-def _shown(key, value):
-    name = key.replace("_", " ")
-    if isinstance(value, float):
-        return f"{name} {100 * value:.2f}%" if key.endswith("accuracy") else f"{name} {value:.4f}"
-    return f"{name} {value}"
