@@ -28,6 +28,7 @@ from launching import (
 
 QUICKSTART = REPO / "recipes" / "quickstart"
 TORCH_ONLY, WITH_ACCELERATE = QUICKSTART / "torch_only.py", QUICKSTART / "with_accelerate.py"
+WITH_CHECKPOINTS = QUICKSTART / "with_checkpoints.py"
 MAX_LINES = 9  # at most this many lines added (or changed) and this many removed
 TRAINING = ["--epochs", "1", "--batch-size", "32"]  # tiny: 1 epoch of the 2000 synthetic digits
 EPOCH_LINE = re.compile(r"^epoch (\d+): train loss (\S+) \| test loss (\S+) \| test accuracy (\S+)% \((\d+)/(\d+)\)$",
@@ -69,9 +70,35 @@ def test_the_diff_is_only_accelerate_lines():
     assert f"{len(added)} added lines" in ast.get_docstring(ast.parse(TORCH_ONLY.read_text()))
 
 
+def code_lines(path):
+    """A file's lines after its module docstring."""
+    source = path.read_text()
+    return source[source.index('"""', source.index('"""') + 3) + 3:].splitlines()
+
+
+def test_the_third_level_adds_only_checkpoint_lines():
+    """with_checkpoints.py is with_accelerate.py plus what a checkpoint and a mid-epoch resume take with accelerate
+    alone (save_state, load_state, skip_first_batches, a step counter registered for checkpointing, a shuffle by
+    seed and epoch): no training line changes, and the change stays small enough to read in one diff."""
+    old, new = code_lines(WITH_ACCELERATE), code_lines(WITH_CHECKPOINTS)
+    diff = [line for line in list(difflib.unified_diff(old, new, lineterm="", n=0))[2:] if not line.startswith("@@")]
+    added, removed = [line[1:] for line in diff if line[0] == "+"], [line[1:] for line in diff if line[0] == "-"]
+    assert len(added) <= 36 and len(removed) <= 5, "\n".join(diff)
+    stated = f"({len(added)} added lines, {len(removed)} of them replacing"  # the docstring says the size: keep it true
+    assert stated in " ".join(ast.get_docstring(ast.parse(WITH_CHECKPOINTS.read_text())).split()), stated
+    for needed in ("accelerator.save_state()", "accelerator.load_state()", "accelerator.skip_first_batches(",
+                   "accelerator.register_for_checkpointing(", "ProjectConfiguration(", ".set_epoch(epoch)"):
+        assert any(needed in line for line in added), f"no {needed!r} among the added lines:\n" + "\n".join(diff)
+    # What is replaced: the Accelerator's construction, the loaders (generators of their own) and the loops' heads.
+    kinds = ("Accelerator(", "DataLoader(", "for epoch in", "for data, target in")
+    assert all(any(kind in line for kind in kinds) for line in removed), removed
+    assert "accelerate" not in " ".join(a for a in added if "import" in a and "accelerate" not in a)
+
+
 def test_the_pair_is_self_contained_plain_pytorch():
     plain = {"argparse", "sys", "torch", "torchvision"}
-    allowed = {TORCH_ONLY: plain, WITH_ACCELERATE: plain | {"accelerate"}}
+    allowed = {TORCH_ONLY: plain, WITH_ACCELERATE: plain | {"accelerate"},
+               WITH_CHECKPOINTS: plain | {"accelerate", "os"}}
     for path, modules in allowed.items():
         source = path.read_text()
         tree = ast.parse(source)
@@ -81,7 +108,9 @@ def test_the_pair_is_self_contained_plain_pytorch():
         for hand_written in (".cuda(", "DistributedSampler", "DistributedDataParallel", "torch.distributed"):
             assert hand_written not in source, f"{path.name} uses {hand_written}: accelerate's job"
         doc = ast.get_docstring(tree)
-        for command in ("python recipes/quickstart/torch_only.py", "python recipes/quickstart/with_accelerate.py"):
+        commands = [f"python recipes/quickstart/{name}.py" for name in (
+            ("with_checkpoints",) if path == WITH_CHECKPOINTS else ("torch_only", "with_accelerate"))]
+        for command in commands:
             assert command in doc, f"{path.name}'s docstring lacks {command!r}"
         for config in re.findall(r"--config_file (\S+)", doc):
             assert (REPO / config).is_file(), f"{path.name}'s docstring launches a missing config {config}"
@@ -144,6 +173,26 @@ def test_with_accelerate_under_python_prints_the_same_numbers(torch_only_run, mn
     assert returncode == 0, output[-3000:]
     assert "Distributed environment: DistributedType.NO" in output and "Num processes: 1" in output, output
     assert epoch_lines(output) == epoch_lines(torch_only_run[1]) != [], output
+
+
+@pytest.mark.slow
+def test_the_third_level_resumes_mid_epoch_to_the_uninterrupted_runs_numbers(mnist_root, tmp_path):
+    """2 epochs of 63 steps with a checkpoint every 20: uninterrupted, and as 1 epoch then the same command with 2,
+    which resumes from step 60, mid-epoch: the resumed epoch's test numbers, and all of epoch 2's, are the
+    uninterrupted run's to the last digit (weights, shuffle and dropout continue exactly)."""
+    def run(directory, epochs):
+        code, output = run_command(["python", str(WITH_CHECKPOINTS), "--data-dir", str(mnist_root), "--epochs",
+                                    str(epochs), "--batch-size", "32", "--checkpoint-every", "20",
+                                    "--checkpoint-dir", str(tmp_path / directory)], timeout=300)
+        assert code == 0, output[-3000:]
+        return output
+    whole = epoch_lines(run("whole", 2))
+    assert "resumed from" not in run("stopped", 1)
+    resumed = run("stopped", 2)
+    assert "resumed from step 60" in resumed, resumed[-3000:]
+    first, second = epoch_lines(resumed)
+    assert first[2:] == whole[0][2:] and second == whole[1], (epoch_lines(resumed), whole)
+    assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["checkpoint_4", "checkpoint_5"]
 
 
 def launch_quickstart(config, mnist_root, tmp_path, training=TRAINING):
