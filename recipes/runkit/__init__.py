@@ -24,5 +24,17 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     exits.py         one message and one exit code from every rank; the process group torn down
 """
 
-from .flags import add_run_args  # noqa: F401
-from .run import Run  # noqa: F401
+# Run and add_run_args are imported when a recipe asks for them (PEP 562), not with the package: importing one module
+# of runkit (the stop command's standard-library modules, launch/slurm_launch.py's exit code) imports no torch.
+_LAZY = {"Run": "run", "add_run_args": "flags"}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value  # once: later lookups find it here
+    return value
