@@ -14,7 +14,7 @@ import sys
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit import dirlock  # noqa: E402
+from runkit.checkpoint import lock as dirlock  # noqa: E402
 
 
 def test_directory_lock(tmp_path, capsys):

@@ -36,7 +36,7 @@ from run_checks import assert_refused
 from tampering import deflated
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit import integrity, safe_loading  # noqa: E402
+from runkit.checkpoint import integrity, safe_loading  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from launching import REPO
 from tampering import deflated
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit import integrity, safe_loading, train_state  # noqa: E402
+from runkit.checkpoint import integrity, safe_loading, train_state  # noqa: E402
 
 
 class RunsCode:

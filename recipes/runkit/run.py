@@ -39,7 +39,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from . import results
-from .checkpoints import Checkpointer, lock_directory
+from .checkpoint import Checkpointer, lock_directory
+from .checkpoint.rules import must_match_settings
 from .collectives import main_process_result
 from .engines import (
     cast_buffers_for_half_precision,
@@ -73,7 +74,6 @@ from .reporting import (
     start_tracking,
     write_summary,
 )
-from .resume_rules import must_match_settings
 from .sharded_model import BUILT_WHOLE, check_whole_model_fits, sharded_building
 from .stopping import GracefulStop, die_with_launcher, how_to_stop, stopped
 from .timing import StepTimer

@@ -30,8 +30,8 @@ import torch
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 
-from .collectives import checked_by_every_rank, first_rank_problems, main_process_result
-from .exits import fail
+from ..collectives import checked_by_every_rank, first_rank_problems, main_process_result
+from ..exits import fail
 from .integrity import (
     DERIVED,
     DERIVING,
@@ -42,7 +42,7 @@ from .integrity import (
     read_manifest,
     write_manifest,
 )
-from .resume_rules import saved_grad_accum
+from .rules import saved_grad_accum
 from .safe_loading import UnsafeCheckpointFile, plain_name, weights_only_loading
 
 

@@ -46,10 +46,9 @@ import time
 from accelerate.utils import DistributedType, gather_object
 from torch.distributed.checkpoint.api import CheckpointException  # FSDP's sharded saves and loads raise it
 
-from .collectives import checked_by_every_rank, main_process_result
-from .dirlock import take
-from .engines import uncompiled_name
-from .exits import fail, report
+from ..collectives import checked_by_every_rank, main_process_result
+from ..engines import uncompiled_name
+from ..exits import fail, report
 from .integrity import (
     MANIFEST,
     HeldCheckpoint,
@@ -62,6 +61,7 @@ from .integrity import (
     remove_entry,
     write_manifest,
 )
+from .lock import take
 from .owners import INSPECTED, SHOWN, Passed, theirs
 from .resharding import (
     load_rank_buffers,
@@ -73,7 +73,7 @@ from .resharding import (
     set_micro_batch_counter,
     universal_part,
 )
-from .resume_rules import checkpoint_kind, incompatibility, layout, reshaped
+from .rules import checkpoint_kind, incompatibility, layout, reshaped
 from .safe_loading import UnsafeCheckpointFile, weights_only_loading
 from .train_state import state_problem
 

@@ -6,8 +6,8 @@ which checkpoints.py asks before a checkpoint is chosen: a manifest on shared st
 another type would otherwise surface as a traceback deep in a resume.
 """
 
+from ..results import RUN_ID
 from .integrity import whole
-from .results import RUN_ID
 
 
 def _number(value):

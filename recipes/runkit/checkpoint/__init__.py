@@ -1,0 +1,22 @@
+"""--checkpoint-dir: checkpoints that lose nothing, one module per stage behind one small Checkpointer.
+
+Run calls two names: lock_directory() at start-up and Checkpointer for the rest (save, choose, load, release).
+runkit/__init__.py's table lists the package's modules with the one concern each owns; docs/checkpoints.md is the
+design and its threat model.
+
+Both names are imported when asked for (PEP 562): the standard-library modules here (layout, owners, untrusted,
+lock) import without torch or accelerate, so that the stop command (runkit/stop.py) runs with the standard
+library alone.
+"""
+
+__all__ = ["Checkpointer", "lock_directory"]
+
+
+def __getattr__(name):
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import checkpoints
+
+    value = getattr(checkpoints, name)
+    globals()[name] = value  # once: later lookups find it here
+    return value
