@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint_checks import check_loadable
 from launching import (
     CPU_SHIM,
     DATA_ARGS,
@@ -36,7 +37,7 @@ from run_checks import assert_refused
 from tampering import deflated
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit.checkpoint import integrity, safe_loading  # noqa: E402
+from runkit.checkpoint import safe_loading  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -139,11 +140,11 @@ def test_dcp_storage_paths_stay_inside_the_checkpoint(launch, reference, tmp_pat
     # The same pre-scan every rank runs, on the same real checkpoint: an absolute path, a length past the file.
     plant(lambda info: setattr(info, "relative_path", str(outside)))
     files = json.loads((work / "checkpoint.json").read_text())["files"]
-    assert integrity.check_loadable(work, [rel], files) == (
+    assert check_loadable(work, [rel], files) == (
         f"{rel}: refused (it points a tensor at a file its checkpoint does not list)")
     plant(lambda info: setattr(info, "length", 6 * 10 ** 9))
     files = json.loads((work / "checkpoint.json").read_text())["files"]
-    assert integrity.check_loadable(work, [rel], files) == (
+    assert check_loadable(work, [rel], files) == (
         f"{rel}: refused (it points a tensor past the end of pytorch_model_fsdp_0/__0_0.distcp)")
 
 

@@ -15,8 +15,8 @@ __all__ = ["Checkpointer", "lock_directory"]
 def __getattr__(name):
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from . import checkpoints
+    from . import checkpointer
 
-    value = getattr(checkpoints, name)
+    value = getattr(checkpointer, name)
     globals()[name] = value  # once: later lookups find it here
     return value

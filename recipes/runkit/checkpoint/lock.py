@@ -11,7 +11,6 @@ that finds another live lock of its user's stops (owners.py: a run uses only its
 import atexit
 import json
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -20,14 +19,12 @@ import sys
 import threading
 import time
 
+from .layout import LOCK, LOCK_MAX_BYTES, TAKEOVER, TMP, is_lock_name, own_lock_name
 from .owners import theirs
+from .untrusted import Missing, read_small
 
-LOCK = ".lock"
-TAKEOVER = ".lock.takeover"  # held (O_EXCL) by the one run replacing a stale lock, for a moment
-LOCKS = re.compile(r"^\.lock(?:\.\d+\.[0-9a-f]{8})?$")  # .lock, and a user's own where another user holds .lock
 HEARTBEAT_S, STALE_S = 30, 180  # the holder touches its lock every 30 s; 3 minutes without a touch: dead
 PID_MAX = 1 << 22  # Linux's largest pid_max: a holder on another host may have any pid up to it
-LOCK_MAX_BYTES = 4096  # a lock holds a few fields; more is not a lock this code wrote
 
 
 class NotALock(OSError):
@@ -53,7 +50,7 @@ def take(directory):
         return None, f"--checkpoint-dir {directory}: cannot be used ({exc})"
     if error:
         return None, error
-    for leftover in (n for n in os.listdir(directory) if n.startswith(".tmp-")):
+    for leftover in (n for n in os.listdir(directory) if n.startswith(TMP)):
         path = os.path.join(directory, leftover)
         try:
             if theirs(os.lstat(path)):
@@ -102,7 +99,7 @@ class DirectoryLock:
             error = self._acquire_shared()
         except OthersLock as exc:  # a shared directory with the sticky bit: a name of this user's own instead
             directory = os.path.dirname(self.path)
-            self.path = os.path.join(directory, f"{LOCK}.{os.geteuid()}.{secrets.token_hex(4)}")
+            self.path = os.path.join(directory, own_lock_name(os.geteuid(), secrets.token_hex(4)))
             print(f"warning: {exc}; this run locks {directory} with {self.path} instead", file=sys.stderr, flush=True)
             error = None if self._create() else self._refusal({})
         if error:
@@ -155,7 +152,7 @@ class DirectoryLock:
         took .lock after that user's left each find the other here: the later one stops (both, if they start in
         the same instant), so that one run writes."""
         directory, mine = os.path.dirname(self.path), os.path.basename(self.path)
-        for name in sorted(n for n in os.listdir(directory) if LOCKS.match(n) and n != mine):
+        for name in sorted(n for n in os.listdir(directory) if is_lock_name(n) and n != mine):
             path = os.path.join(directory, name)
             try:
                 holder, why = self._stale(path)
@@ -197,8 +194,8 @@ class DirectoryLock:
         """(holder, age in s, identity) of what is at .lock (or `path`): holder the lock's fields when they are a
         lock this code writes, "link" for a symbolic link, else None (an unknown holder); identity tells one lock
         file from its replacement. Raises FileNotFoundError when there is none, OthersLock when it is another
-        user's, NotALock for a FIFO, device or socket. Opened O_NOFOLLOW|O_NONBLOCK and checked with fstat:
-        nothing here blocks or follows a link."""
+        user's, NotALock for a FIFO, device or socket. Read as any small untrusted file (untrusted.read_small:
+        O_NOFOLLOW|O_NONBLOCK, checked with fstat, bounded): nothing here blocks or follows a link."""
         path = path or self.path
         st = os.lstat(path)
         if theirs(st):
@@ -210,17 +207,11 @@ class DirectoryLock:
             raise NotALock(f"{path} is not a lock file this code writes (a FIFO, device or socket): another "
                            f"user or program put it there. Remove it (rm {path}) and run again.")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise
-        except OSError:
-            return None, age, identity  # replaced by a link or made unreadable meanwhile: unknown
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None, age, identity
-            data = os.read(fd, LOCK_MAX_BYTES + 1)
-        finally:
-            os.close(fd)
+            data = read_small(path, LOCK_MAX_BYTES)
+        except Missing:
+            raise FileNotFoundError(f"{path} was just removed") from None
+        except OSError:  # replaced by a link or a FIFO, grown past a lock, or made unreadable meanwhile: unknown
+            return None, age, identity
         return _holder(data), age, identity
 
     def _stale(self, path=None):

@@ -32,16 +32,10 @@ from safetensors.torch import load_file, save_file
 
 from ..collectives import checked_by_every_rank, first_rank_problems, main_process_result
 from ..exits import fail
-from .integrity import (
-    DERIVED,
-    DERIVING,
-    HeldCheckpoint,
-    entry_identity,
-    file_table,
-    listing,
-    read_manifest,
-    write_manifest,
-)
+from .files import entry_identity, file_table, listing
+from .held import HeldCheckpoint
+from .layout import DERIVED, DERIVING
+from .manifest import read_manifest, write_manifest
 from .rules import saved_grad_accum
 from .safe_loading import UnsafeCheckpointFile, plain_name, weights_only_loading
 
