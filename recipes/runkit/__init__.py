@@ -23,7 +23,9 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     results.py                  where results go (run.json), written without following links
     collectives.py              verdicts every rank reaches together
     sharded_model.py            run.sharded_init(): the model built sharded under ZeRO-3 and FSDP
-    stopping.py                 stop signals, the agreement between ranks, exit code 75, dying with the launcher
+    stopping.py                 stop signals, the agreement between ranks, exit code 75, the line naming how to stop
+    stop.py                     the stop command: python3 recipes/runkit/stop.py DIR stops the run that holds DIR
+    launcher.py                 the launcher a worker runs under: its exit code's fate, dying with it (no orphan)
     timing.py                   the data / forward+backward / optimizer / other split, without stalling the GPU
     reporting.py                metrics.jsonl, --report-to, --profile, memory, summary.json
     refusals.py                 launches that would train wrongly, refused at start-up with one message

@@ -55,6 +55,7 @@ from .engines import (
 )
 from .exits import fail, main_print, teardown
 from .flags import RUN_FLAGS
+from .launcher import die_with_launcher
 from .optimizers import implementation, optimizer_name, repoint_scheduler
 from .refusals import (
     check_batch,
@@ -75,7 +76,7 @@ from .reporting import (
     write_summary,
 )
 from .sharded_model import BUILT_WHOLE, check_whole_model_fits, sharded_building
-from .stopping import GracefulStop, die_with_launcher, how_to_stop, stopped
+from .stopping import GracefulStop, how_to_stop, stopped
 from .timing import StepTimer
 
 

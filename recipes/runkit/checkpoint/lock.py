@@ -6,7 +6,10 @@ the sticky bit (others could replace this run's files and directories there). Th
 untrusted: whatever is at .lock (a link, a FIFO, garbage) is one message or a takeover, never a hang. In a
 shared directory with the sticky bit, another user's .lock (or .lock.takeover) does not hold this user's runs
 back and cannot be removed: the run then locks under a name of its own, .lock.<uid>.<random>, and a run
-that finds another live lock of its user's stops (owners.py: a run uses only its own user's entries)."""
+that finds another live lock of its user's stops (owners.py: a run uses only its own user's entries).
+
+Also owns whether a process on this host is alive (alive: a zombie is not), which the stop command asks too. Its
+names are layout.py's, and it reads a lock as any small untrusted file (untrusted.py). Standard library only."""
 
 import atexit
 import json
@@ -21,7 +24,7 @@ import time
 
 from .layout import LOCK, LOCK_MAX_BYTES, TAKEOVER, TMP, is_lock_name, own_lock_name
 from .owners import theirs
-from .untrusted import Missing, read_small
+from .untrusted import Missing, read_small, whole
 
 HEARTBEAT_S, STALE_S = 30, 180  # the holder touches its lock every 30 s; 3 minutes without a touch: dead
 PID_MAX = 1 << 22  # Linux's largest pid_max: a holder on another host may have any pid up to it
@@ -81,7 +84,7 @@ class DirectoryLock:
     """One writer per --checkpoint-dir, on any shared file system: the lock is a file created with O_EXCL
     (atomic on NFS v3+ and Lustre) holding host, pid and Slurm job id, and touched every 30 s while held.
 
-    A lock is stale, and taken over, when its holder is a dead process on this host, an earlier run of
+    A lock is stale, and taken over, when its holder is a dead process on this host (alive), an earlier run of
     this very Slurm job (a requeue: Slurm never runs one job id twice at once), or silent for 3 minutes.
     Only one run at a time may replace a stale lock (an O_EXCL .lock.takeover), and a holder whose lock
     was replaced meanwhile (it was suspended for minutes) finds out at its next save and stops."""
@@ -229,7 +232,7 @@ class DirectoryLock:
             return holder, (None if age < STALE_S else f"its content is not a lock this code writes (an unknown "
                                                         f"holder), untouched for {age:.0f} s")
         holder = {**fields, **holder}
-        if holder.get("host") == self.me["host"] and not _alive(holder["pid"]):
+        if holder.get("host") == self.me["host"] and not alive(holder["pid"]):
             return holder, f"its holder, pid {holder['pid']} on this host, is gone"
         if self.me["job"] and holder.get("job") == self.me["job"] and (holder.get("restart") or 0) < self.me["restart"]:
             return holder, f"its holder is an earlier run of this job ({self.me['job']}), which Slurm requeued"
@@ -318,11 +321,26 @@ def _holder(data):
     return fields if ok else None
 
 
-def _alive(pid):
+def alive(pid):
+    """Whether process `pid` runs on this host: one that does not exist does not, nor does a zombie (it has ended and
+    its parent has not reaped it yet: a run killed under a launcher that lives on); another user's does. The one
+    answer for the lock's holder and for the stop command (runkit/stop.py)."""
+    if not whole(pid, 1, PID_MAX):  # os.kill(0) or (-1) would ask about process groups, a huge pid overflow
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass  # another user's process: it exists
+    return _state(pid) != "Z"
+
+
+def _state(pid):
+    """The state Linux gives process `pid` (R, S, D, Z...), from /proc/<pid>/stat (the field after the command name,
+    which may hold spaces), or None where /proc cannot tell: not Linux, or it has just ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
