@@ -30,7 +30,8 @@ from runkit.checkpoint import safe_loading  # noqa: E402
 from runkit.checkpoint.files import coverage, my_share  # noqa: E402
 from runkit.checkpoint.formats import files_problem  # noqa: E402
 from runkit.checkpoint.held import HeldCheckpoint  # noqa: E402
-from runkit.checkpoint.manifest import read_manifest, state_problem  # noqa: E402
+from runkit.checkpoint.layout import FORMAT_VERSION  # noqa: E402
+from runkit.checkpoint.manifest import read_manifest, state_problem, write_manifest  # noqa: E402
 from runkit.checkpoint.untrusted import RefusedFile, open_regular  # noqa: E402
 
 
@@ -140,10 +141,13 @@ def test_special_files_are_refused_without_blocking(tmp_path):
 
 def test_manifest_parsing_never_raises_anything_but_valueerror(tmp_path):
     bad = ["[" * 100000 + "]" * 100000, "[]", '{"step": "1"}', "\xff\xfe",
-           json.dumps({"step": 1, "layout": {"family": "full", "zero_stage": None, "world_size": 1}, "must_match": {},
-                       "train_state": {}, "files": {"../x": {"size": 1, "sha256": "0" * 64}}}),
-           json.dumps({"step": 1, "layout": {"family": "full", "zero_stage": None, "world_size": 1}, "must_match": {},
-                       "train_state": {}, "files": {"a": {"size": 2 ** 70 * 1.0, "sha256": "0" * 64}}})]
+           json.dumps({"format_version": 1, "step": 1, "layout": {"family": "full", "zero_stage": None,
+                                                                    "world_size": 1},
+                       "must_match": {}, "train_state": {}, "files": {"../x": {"size": 1, "sha256": "0" * 64}}}),
+           json.dumps({"format_version": 1, "step": 1, "layout": {"family": "full", "zero_stage": None,
+                                                                    "world_size": 1},
+                       "must_match": {}, "train_state": {}, "files": {"a": {"size": 2 ** 70 * 1.0,
+                                                                            "sha256": "0" * 64}}})]
     for text in bad:
         (tmp_path / "checkpoint.json").write_text(text)
         with pytest.raises(ValueError):
@@ -161,7 +165,8 @@ def manifest_with(**change):
     """A well-formed manifest of one file, with `change` applied (layout keys as layout_KEY)."""
     layout = {**LAYOUT, **{k[7:]: v for k, v in change.items() if k.startswith("layout_")}}
     fields = {k: v for k, v in change.items() if not k.startswith("layout_")}
-    return {"step": 2, "layout": layout, "must_match": {}, "train_state": {}, "files": {}, **fields}
+    return {"format_version": 1, "step": 2, "layout": layout, "must_match": {}, "train_state": {}, "files": {},
+            **fields}
 
 
 def test_every_manifest_field_is_checked_for_type_and_range(tmp_path):
@@ -179,6 +184,26 @@ def test_every_manifest_field_is_checked_for_type_and_range(tmp_path):
             read_manifest(str(tmp_path), contents=False)
     (tmp_path / "checkpoint.json").write_text(json.dumps(manifest_with(recipe="mnist")))
     assert read_manifest(str(tmp_path), contents=False)["recipe"] == "mnist"
+
+
+def test_a_manifest_of_another_format_version_is_refused_naming_it(tmp_path):
+    """Issue 43, item 3: a save writes this code's format version into its manifest; a manifest of another version,
+    or of none (the checkpoints written before it was recorded), is one line saying which version wrote it."""
+    write_manifest(str(tmp_path), {k: v for k, v in manifest_with().items() if k != "format_version"})
+    assert read_manifest(str(tmp_path), contents=False)["format_version"] == FORMAT_VERSION == 1
+    later = "and this code reads format 1 only (resume it with the code that wrote it)"
+    cases = {None: f"checkpoint.json records no format_version: runkit before format 1 wrote it, {later}",
+             2: f"checkpoint.json records format_version 2: another version of runkit wrote it, {later}",
+             "1": f"checkpoint.json records format_version '1': another version of runkit wrote it, {later}",
+             True: f"checkpoint.json records format_version True: another version of runkit wrote it, {later}"}
+    for version, line in cases.items():
+        manifest = manifest_with(format_version=version)
+        if version is None:
+            del manifest["format_version"]
+        (tmp_path / "checkpoint.json").write_text(json.dumps(manifest))
+        with pytest.raises(ValueError) as refused:
+            read_manifest(str(tmp_path), contents=False)
+        assert str(refused.value) == line
 
 
 def test_train_state_fields_are_checked_for_type_and_range():

@@ -148,7 +148,7 @@ def stop(signum, frame):
         os._exit(1)
     os.makedirs(os.path.join(directory, "step-00000007"))
     with open(os.path.join(directory, "step-00000007", "checkpoint.json"), "w") as f:
-        json.dump({"step": 7, "train_state": {"step": 7, "stopped": True, "output_dir": "out"}}, f)
+        json.dump({"format_version": 1, "step": 7, "train_state": {"step": 7, "stopped": True, "output_dir": "out"}}, f)
     os.unlink(lock)
     sys.exit(75)
 signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_STOP") == "ignore" else stop)
@@ -190,7 +190,8 @@ def test_stop_command_says_when_the_run_ended_without_saving(tmp_path):
     without saving: that older checkpoint is not this stop's, exit 1 (it was reported as saved, exit 75)."""
     earlier = tmp_path / "ckpt" / "step-00000005"
     earlier.mkdir(parents=True)
-    (earlier / "checkpoint.json").write_text(json.dumps({"step": 5, "train_state": {"step": 5, "stopped": True}}))
+    (earlier / "checkpoint.json").write_text(json.dumps({"format_version": 1, "step": 5,
+                                                          "train_state": {"step": 5, "stopped": True}}))
     run = fake_run(tmp_path / "ckpt", crash=True)
     out = stop_command(tmp_path / "ckpt")
     assert run.wait(timeout=60) == 1 and out.returncode == 1, (out.stdout, out.stderr)

@@ -19,6 +19,10 @@ command (runkit/stop.py) alike. Standard library only.
 import os
 import re
 
+# The version of the checkpoint format (this layout, formats.py's files, manifest.py's schema) that a manifest
+# records: a checkpoint of another version, or of none (those written before it was recorded), is refused by name.
+FORMAT_VERSION = 1
+
 MANIFEST = "checkpoint.json"  # written last, by the main process: the checkpoint exists once it does
 DERIVED, DERIVING = "universal", ".tmp-universal"  # a checkpoint's derived part, and its conversion in progress
 TMP = ".tmp-"  # a save in progress begins so; whatever this user has so named when a run takes the lock is removed

@@ -1,6 +1,8 @@
 """checkpoint.json, a checkpoint's manifest: its schema, read once and checked field by field, written once.
 
 Owns (docs/checkpoints.md, "What a checkpoint can and cannot do"):
+* the format version a manifest records (layout.FORMAT_VERSION): new saves write it, and a manifest of another
+  version, or of none (written before it was recorded), is refused in one line naming the version;
 * every field's type and range (read_manifest), the layout's included (the family and ZeRO stage one of formats.py's
   formats writes), and the training state Run keeps in it (TRAIN_STATE, WINDOW, state_problem: what run.py's
   Run.start and timing.py's window_state put there); a manifest on shared storage is untrusted, and a field of
@@ -20,10 +22,10 @@ import re
 from ..results import RUN_ID
 from .files import coverage
 from .formats import FORMATS, files_problem
-from .layout import MANIFEST, MANIFEST_MAX_BYTES
+from .layout import FORMAT_VERSION, MANIFEST, MANIFEST_MAX_BYTES
 from .untrusted import Missing, RefusedFile, TooLarge, open_regular, shown, whole
 
-MANIFEST_FIELDS = {"step", "layout", "must_match", "train_state", "files"}
+MANIFEST_FIELDS = {"format_version", "step", "layout", "must_match", "train_state", "files"}
 OPTIONAL_FIELDS = {"recipe", "derived_from"}  # the recipe that wrote it (since issue 36); a derived part's source
 
 
@@ -35,6 +37,22 @@ def _plain_path(rel):
 
 def _is_sha256(value):
     return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
+
+
+def _version_problem(manifest):
+    """None, or the line refusing a manifest of another format version than this code's, naming the one it has (a
+    manifest that is no JSON object is read_manifest's to refuse)."""
+    if not isinstance(manifest, dict):
+        return None
+    version = manifest.get("format_version")
+    if whole(version) and version == FORMAT_VERSION:
+        return None
+    if "format_version" not in manifest:
+        wrote = f"records no format_version: runkit before format {FORMAT_VERSION} wrote it"
+    else:
+        wrote = f"records format_version {shown(version)}: another version of runkit wrote it"
+    return f"{MANIFEST} {wrote}, and this code reads format {FORMAT_VERSION} only (resume it with the code that " \
+           f"wrote it)"
 
 
 def _layout_problem(layout):
@@ -94,11 +112,14 @@ def _parsed(data):
 
 
 def read_manifest(path, contents=True):
-    """The checkpoint's manifest, or raise ValueError saying why there is none to use (cheap: no hashing). Every
-    field is checked for its type and range (a train_state's own fields are state_problem's to check). contents:
-    also check that the checkpoint holds exactly the files it lists, each a regular file of its recorded size
-    (lstat: nothing is opened or followed)."""
+    """The checkpoint's manifest, or raise ValueError saying why there is none to use (cheap: no hashing). Its format
+    version first, then every field is checked for its type and range (a train_state's own fields are
+    state_problem's to check). contents: also check that the checkpoint holds exactly the files it lists, each a
+    regular file of its recorded size (lstat: nothing is opened or followed)."""
     manifest = _read_json(path)
+    problem = _version_problem(manifest)
+    if problem:
+        raise ValueError(problem)
     if not (isinstance(manifest, dict) and MANIFEST_FIELDS <= set(manifest) <= MANIFEST_FIELDS | OPTIONAL_FIELDS
             and whole(manifest["step"]) and isinstance(manifest["must_match"], dict)
             and isinstance(manifest["train_state"], dict) and isinstance(manifest["files"], dict)
@@ -121,11 +142,11 @@ def read_manifest(path, contents=True):
 
 
 def write_manifest(directory, manifest):
-    """directory/checkpoint.json, written once (never over a file or through a link
+    """directory/checkpoint.json, with this code's format version, written once (never over a file or through a link
     another wrote) and synced."""
     fd = os.open(os.path.join(directory, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=1)
+        json.dump({"format_version": FORMAT_VERSION, **manifest}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
