@@ -6,7 +6,7 @@ result; a loop that reads as plain PyTorch; the README naming exactly the accele
 one concern per module, each listed once, no name defined twice, nothing below run.py importing it.
 
 What Run promises every recipe built on it, observed from outside (slow: real runs):
-* a resumed run must match every flag but the declared ones that may change (recipes/runkit/resume_rules.py);
+* a resumed run must match every flag but the declared ones that may change (recipes/runkit/checkpoint/rules.py);
 * the same command again after the run finished changes nothing and exits 0;
 * --checkpoint-every alone sets the checkpoint cadence (the last step is saved too);
 * each way of running keeps its own default output directory, runs/<recipe>/<how it runs>;

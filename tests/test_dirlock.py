@@ -104,7 +104,7 @@ def test_a_directory_others_can_write_is_refused_unless_sticky(tmp_path):
 def test_a_zombie_holds_no_lock(tmp_path, capsys):
     """One answer to "is the holder alive" (lock.alive), for the lock and the stop command: a process that has exited
     and is not reaped yet (a zombie: a run killed while its parent lives on) is not, though os.kill(pid, 0) still
-    finds it. Its lock is taken over at once, as a dead holder's is (dirlock.py counted it alive, and refused)."""
+    finds it. Its lock is taken over at once, as a dead holder's is (it was counted alive, and the run refused)."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it has exited, and stays unreaped

@@ -103,7 +103,7 @@ def resumable_epochs(accelerator, loader, progress, epochs, steps_per_epoch, gra
 class Run:
     def __init__(self, name, args, unit="samples", may_change=None):
         """Call first in main(): from here on a stop signal is remembered instead of killing the process.
-        may_change: {flag: why} for the recipe's flags that a resumed run may change (resume_rules.py)."""
+        may_change: {flag: why} for the recipe's flags that a resumed run may change (checkpoint/rules.py)."""
         missing = [flag for flag in (*RUN_FLAGS, *(may_change or {})) if not hasattr(args, flag)]
         if missing:
             raise TypeError(f"Run({name!r}): the parsed flags lack {missing}; call add_run_args(parser, ...)")
@@ -425,7 +425,7 @@ class Run:
         started = time.perf_counter()
         s = self.state
         s["window"] = self.timer.window_state()  # collective
-        # "stopped": a checkpoint saved for a stop (stopping.py's command reads it).
+        # "stopped": a checkpoint saved for a stop (the stop command, stop.py, reads it).
         self.checkpointer.save(s["step"], {**s, "train_time": self._train_time(), "output_dir": self.output_dir,
                                            "run_id": self.run_id, "stopped": self.stopping})
         self._after_training("checkpoint_s", started)
