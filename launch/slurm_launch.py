@@ -41,8 +41,13 @@ import yaml
 
 import check_config  # launch/check_config.py, next to this file
 
+# The recipes' code for "stopped on a signal, checkpoint saved": its one definition is runkit's, beside this folder
+# (this script runs by path, with only launch/ on sys.path: recipes/ goes last, shadowing nothing installed);
+# runkit/stopping.py imports the standard library alone.
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+from runkit.stopping import EXIT_STOPPED  # noqa: E402
+
 GPU_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP")
-EXIT_STOPPED = 75  # the recipes' code for "stopped on a signal, checkpoint saved" (recipes/runkit/stopping.py)
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
 

@@ -6,7 +6,7 @@ result; a loop that reads as plain PyTorch; docs/recipes.md naming exactly the a
 one concern per module, each listed once, no name defined twice, nothing below run.py importing it.
 
 What Run promises every recipe built on it, observed from outside (slow: real runs):
-* a resumed run must match every flag but the declared ones that may change (recipes/runkit/resume_rules.py);
+* a resumed run must match every flag but the declared ones that may change (recipes/runkit/checkpoint/rules.py);
 * the same command again after the run finished changes nothing and exits 0;
 * --checkpoint-every alone sets the checkpoint cadence (the last step is saved too);
 * each way of running keeps its own default output directory, runs/<recipe>/<how it runs>;
@@ -28,7 +28,7 @@ from launching import CONFIG_DIR, DATA_ARGS, REPO, launch_command, recipe_args, 
 
 TRAINING_RECIPES = sorted((REPO / "recipes").glob("*.py"))
 RECIPES = TRAINING_RECIPES + sorted((REPO / "recipes" / "quickstart").glob("*.py"))
-RUNKIT = sorted((REPO / "recipes" / "runkit").glob("*.py"))
+RUNKIT = sorted((REPO / "recipes" / "runkit").rglob("*.py"))  # its checkpoint/ package too
 # A recipe's own modules beside it (synthetic_data/, finetune_data/, lora/): part of the recipe, under its contract.
 RECIPE_MODULES = sorted(p for p in (REPO / "recipes").glob("*/*.py") if p.parent.name not in ("quickstart", "runkit"))
 
@@ -380,7 +380,7 @@ def test_recipes_md_names_exactly_the_accelerate_calls():
 def runkit_table():
     """{module file: its concern} from the table in runkit/__init__.py's docstring (one line per module)."""
     doc = ast.get_docstring(ast.parse((REPO / "recipes" / "runkit" / "__init__.py").read_text()))
-    rows = [re.match(r"\s+(\w+\.py)\s+(.+)", line) for line in doc.splitlines()]
+    rows = [re.match(r"\s+((?:\w+/)?\w+\.py)\s+(.+)", line) for line in doc.splitlines()]
     names = [row.group(1) for row in rows if row]
     assert len(names) == len(set(names)), f"a module listed twice: {names}"
     return {row.group(1): row.group(2) for row in rows if row}
@@ -391,17 +391,22 @@ def test_each_runkit_module_owns_one_listed_concern():
     owns; no public name is defined in two modules (one owner per decision); and no module below run.py imports
     run.py (the Run object sits on top of the services, never under them)."""
     table = runkit_table()
-    modules = {p.name for p in RUNKIT} - {"__init__.py"}
+    names = {path: str(path.relative_to(REPO / "recipes" / "runkit")) for path in RUNKIT}
+    modules = {name for name in names.values() if not name.endswith("__init__.py")}
     assert set(table) == modules, (set(table) ^ modules)
     defined = {}
     for path in RUNKIT:
         tree = ast.parse(path.read_text())
-        assert ast.get_docstring(tree), f"{path.name}: a docstring that says what it owns"
+        assert ast.get_docstring(tree), f"{names[path]}: a docstring that says what it owns"
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
-                defined.setdefault(node.name, []).append(path.name)
-        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
-        assert path.name in ("__init__.py", "run.py") or "run" not in imported, f"{path.name} imports run.py"
+                defined.setdefault(node.name, []).append(names[path])
+        # runkit's run.py, from runkit/ (one dot) or from checkpoint/ (two)
+        depth = names[path].count("/") + 1
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == depth}
+        imported |= {n.module.removeprefix("runkit.") for n in ast.walk(tree)  # stop.py's absolute imports
+                     if isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").startswith("runkit.")}
+        assert names[path] in ("__init__.py", "run.py") or "run" not in imported, f"{names[path]} imports run.py"
     twice = {name: where for name, where in defined.items() if len(where) > 1}
     assert not twice, f"defined in more than one runkit module: {twice}"
 

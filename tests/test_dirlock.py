@@ -1,6 +1,7 @@
-"""The directory lock (recipes/runkit/dirlock.py) without a launch: one writer per --checkpoint-dir, a
-live holder named, a dead holder's lock taken over, a requeued Slurm job taking over its own earlier run; a lock
-that is garbage, out of range, a link or a FIFO; a directory others can write refused.
+"""The directory lock (recipes/runkit/checkpoint/lock.py) without a launch: one writer per --checkpoint-dir, a
+live holder named, a dead holder's lock taken over (a zombie's too), a requeued Slurm job taking over its own earlier
+run; a lock that is garbage, out of range, a link or a FIFO; a directory others can write refused; the lock and its
+names importing without torch.
 
 The launches that prove the same end to end (a second run refused; a dead holder's lock taken over) are
 in test_stop_and_crash.py.
@@ -8,13 +9,14 @@ in test_stop_and_crash.py.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit import dirlock  # noqa: E402
+from runkit.checkpoint import lock as dirlock  # noqa: E402
 
 
 def test_directory_lock(tmp_path, capsys):
@@ -97,3 +99,34 @@ def test_a_directory_others_can_write_is_refused_unless_sticky(tmp_path):
     lock, error = dirlock.take(str(tmp_path / "new"))  # created for the run: only its user writes there
     assert error is None and (tmp_path / "new").stat().st_mode & 0o077 == 0
     lock.release()
+
+
+def test_a_zombie_holds_no_lock(tmp_path, capsys):
+    """One answer to "is the holder alive" (lock.alive), for the lock and the stop command: a process that has exited
+    and is not reaped yet (a zombie: a run killed while its parent lives on) is not, though os.kill(pid, 0) still
+    finds it. Its lock is taken over at once, as a dead holder's is (it was counted alive, and the run refused)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it has exited, and stays unreaped
+        os.kill(child.pid, 0)  # no ProcessLookupError: to kill() it is still there
+        assert not dirlock.alive(child.pid)
+        (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": child.pid, "job": None}))
+        taker = dirlock.DirectoryLock(tmp_path)
+        assert taker.acquire() is None
+        assert f"its holder, pid {child.pid} on this host, is gone" in capsys.readouterr().err
+        taker.release()
+    finally:
+        child.wait()
+    assert dirlock.alive(os.getpid())
+    assert not any(dirlock.alive(pid) for pid in (0, -1, True, dirlock.PID_MAX + 1, 2 ** 70))  # never a group
+
+
+def test_the_lock_and_its_names_import_without_torch():
+    """layout, owners, untrusted and lock are the standard library only: the stop command (runkit/stop.py) runs
+    without torch or accelerate."""
+    probe = ("import sys; sys.path.insert(0, 'recipes')\n"
+             "import runkit.checkpoint.layout, runkit.checkpoint.owners, runkit.checkpoint.untrusted\n"
+             "import runkit.checkpoint.lock, runkit.stop\n"
+             "assert not {'torch', 'accelerate', 'numpy'} & set(sys.modules), sorted(sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint_checks import check_loadable
 from launching import (
     CPU_SHIM,
     DATA_ARGS,
@@ -36,7 +37,7 @@ from run_checks import assert_refused
 from tampering import deflated
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit import integrity, safe_loading  # noqa: E402
+from runkit.checkpoint import safe_loading  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -139,11 +140,11 @@ def test_dcp_storage_paths_stay_inside_the_checkpoint(launch, reference, tmp_pat
     # The same pre-scan every rank runs, on the same real checkpoint: an absolute path, a length past the file.
     plant(lambda info: setattr(info, "relative_path", str(outside)))
     files = json.loads((work / "checkpoint.json").read_text())["files"]
-    assert integrity.check_loadable(work, [rel], files) == (
+    assert check_loadable(work, [rel], files) == (
         f"{rel}: refused (it points a tensor at a file its checkpoint does not list)")
     plant(lambda info: setattr(info, "length", 6 * 10 ** 9))
     files = json.loads((work / "checkpoint.json").read_text())["files"]
-    assert integrity.check_loadable(work, [rel], files) == (
+    assert check_loadable(work, [rel], files) == (
         f"{rel}: refused (it points a tensor past the end of pytorch_model_fsdp_0/__0_0.distcp)")
 
 
@@ -368,6 +369,28 @@ def test_manifest_fields_of_another_type_are_skipped_with_a_warning(written, dat
     one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000004'}: checkpoint.json: its layout's "
                                 f"grad_accum '2' is not a number of micro-batches")
     assert "resumed from " + str(ckpt / "step-00000002") in output
+
+
+def test_a_checkpoint_of_another_format_version_is_skipped_or_refused(written, data_dir, tmp_path):
+    """Issue 43, item 3: step 8's manifest without a format_version (as every checkpoint written before it was
+    recorded) and step 6's of format 2: under --resume auto each is skipped with one warning saying which version
+    wrote it, and the run resumes from step 4; --resume naming step 8 is one error."""
+    ckpt = copy(written, tmp_path, 4, 6, 8)
+    edit(ckpt / "step-00000008", lambda m: m.pop("format_version"))
+    edit(ckpt / "step-00000006", lambda m: m.update(format_version=2))
+    later = "and this code reads format 1 only (resume it with the code that wrote it)"
+    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--keep-last", "0")
+    assert code == 0, output[-3000:]
+    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000008'}: checkpoint.json records no "
+                                f"format_version: runkit before format 1 wrote it, {later}")
+    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000006'}: checkpoint.json records "
+                                f"format_version 2: another version of runkit wrote it, {later}")
+    assert "resumed from " + str(ckpt / "step-00000004") in output
+    named = copy(written, tmp_path, 8, name="named")  # that run saved its own step 8 over the edited one
+    edit(named / "step-00000008", lambda m: m.pop("format_version"))
+    code, output = resume(data_dir, tmp_path, "--resume", str(named / "step-00000008"), name="named-out")
+    refused(code, output, f"checkpoint {named / 'step-00000008'} cannot be used: checkpoint.json records no "
+                          f"format_version: runkit before format 1 wrote it, {later}")
 
 
 def test_a_manifest_without_the_files_its_engine_writes_is_skipped(written, data_dir, tmp_path):

@@ -1,4 +1,5 @@
-"""The checkpoint file rules that need no launch (recipes/runkit/integrity.py): what a checkpoint file may
+"""The checkpoint file rules that need no launch (recipes/runkit/checkpoint/: safe_loading.py, untrusted.py,
+files.py, held.py, manifest.py, formats.py): what a checkpoint file may
 contain (no code, plain numpy RNG state, no compressed torch zip), that links, FIFOs and malformed manifests
 are refused with a reason, and which rank hashes which files.
 
@@ -20,11 +21,18 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoint_checks import check_files, check_loadable
 from launching import REPO
 from tampering import deflated
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit import integrity, safe_loading, train_state  # noqa: E402
+from runkit.checkpoint import safe_loading  # noqa: E402
+from runkit.checkpoint.files import coverage, my_share  # noqa: E402
+from runkit.checkpoint.formats import files_problem  # noqa: E402
+from runkit.checkpoint.held import HeldCheckpoint  # noqa: E402
+from runkit.checkpoint.layout import FORMAT_VERSION  # noqa: E402
+from runkit.checkpoint.manifest import read_manifest, state_problem, write_manifest  # noqa: E402
+from runkit.checkpoint.untrusted import RefusedFile, open_regular  # noqa: E402
 
 
 class RunsCode:
@@ -64,8 +72,8 @@ def test_torch_files_load_weights_only(tmp_path):
     torch.save(ok, tmp_path / "optimizer.bin")
     marker = tmp_path / "code-ran"
     torch.save({"state": RunsCode(marker)}, tmp_path / "evil.pt")
-    assert integrity.check_loadable(tmp_path, ["optimizer.bin"]) is None
-    problem = integrity.check_loadable(tmp_path, ["optimizer.bin", "evil.pt"])
+    assert check_loadable(tmp_path, ["optimizer.bin"]) is None
+    problem = check_loadable(tmp_path, ["optimizer.bin", "evil.pt"])
     assert problem.startswith("evil.pt: not loadable as weights only (it asks for posix.system"), problem
     assert not marker.exists()
     with safe_loading.weights_only_loading():  # what DeepSpeed's own torch.load(weights_only=False) gets
@@ -79,7 +87,7 @@ def test_hashing_is_shared_and_a_rank_hashes_its_own_files():
             "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt", "random_states_0.pkl",
             "random_states_1.pkl", "pytorch_model_fsdp_0/__1_0.distcp", "scheduler.bin", "latest",
             "pytorch_model_fsdp_0/.metadata"]
-    shares = [integrity.my_share(rels, rank, 2) for rank in (0, 1)]
+    shares = [my_share(rels, rank, 2) for rank in (0, 1)]
     assert sorted(shares[0] + shares[1]) == sorted(rels)  # every file once
     assert "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt" in shares[1]
     assert "pytorch_model_fsdp_0/__1_0.distcp" in shares[1]
@@ -100,10 +108,10 @@ def test_numpy_in_a_torch_file_must_be_plain_rng_state(tmp_path):
     torch.save({"random_state": ("MT19937", np.random.get_state()[1], 624, 0, 0.0)}, tmp_path / "ok.pkl")
     torch.save({"random_state": ("MT19937", _BadDtype())}, tmp_path / "random_states_0.pkl")
     torch.save({"x": np.zeros(3, dtype=np.float64)}, tmp_path / "floats.pkl")
-    assert integrity.check_loadable(tmp_path, ["ok.pkl"]) is None
-    assert integrity.check_loadable(tmp_path, ["random_states_0.pkl"]) == (
+    assert check_loadable(tmp_path, ["ok.pkl"]) is None
+    assert check_loadable(tmp_path, ["random_states_0.pkl"]) == (
         "random_states_0.pkl: refused (it holds a numpy dtype other than plain uint32/uint64)")
-    problem = integrity.check_loadable(tmp_path, ["floats.pkl"])
+    problem = check_loadable(tmp_path, ["floats.pkl"])
     assert problem is not None and problem.startswith("floats.pkl: "), problem
     # An object subarray: torch's weights-only unpickler already refuses numpy's object dtype; the walk, given
     # such a dtype however it was built, refuses it without printing it.
@@ -115,36 +123,39 @@ def test_numpy_in_a_torch_file_must_be_plain_rng_state(tmp_path):
 
 def test_a_compressed_torch_file_is_refused_before_loading(tmp_path):
     torch.save({"w": torch.zeros(1000)}, tmp_path / "optimizer.bin")
-    assert integrity.check_loadable(tmp_path, ["optimizer.bin"]) is None
+    assert check_loadable(tmp_path, ["optimizer.bin"]) is None
     (tmp_path / "small.bin").write_bytes(deflated((tmp_path / "optimizer.bin").read_bytes()))
-    problem = integrity.check_loadable(tmp_path, ["small.bin"])
+    problem = check_loadable(tmp_path, ["small.bin"])
     assert problem.startswith("small.bin: refused (its entries are compressed"), problem
 
 
 def test_special_files_are_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "model.safetensors")
     os.symlink("/dev/zero", tmp_path / "optimizer.bin")
-    with pytest.raises(integrity.RefusedFile, match="model.safetensors is a FIFO"):
-        integrity.open_regular(str(tmp_path / "model.safetensors"), name="model.safetensors")
-    assert integrity.check_files(tmp_path, {"optimizer.bin": {"size": 10, "sha256": "0" * 64}}) == (
+    with pytest.raises(RefusedFile, match="model.safetensors is a FIFO"):
+        open_regular(str(tmp_path / "model.safetensors"), name="model.safetensors")
+    assert check_files(tmp_path, {"optimizer.bin": {"size": 10, "sha256": "0" * 64}}) == (
         "optimizer.bin is a symbolic link, not a file a save writes")
-    assert integrity.coverage(tmp_path, {}) == "model.safetensors is a FIFO, not a file a save writes"
+    assert coverage(tmp_path, {}) == "model.safetensors is a FIFO, not a file a save writes"
 
 
 def test_manifest_parsing_never_raises_anything_but_valueerror(tmp_path):
     bad = ["[" * 100000 + "]" * 100000, "[]", '{"step": "1"}', "\xff\xfe",
-           json.dumps({"step": 1, "layout": {"family": "full", "zero_stage": None, "world_size": 1}, "must_match": {},
-                       "train_state": {}, "files": {"../x": {"size": 1, "sha256": "0" * 64}}}),
-           json.dumps({"step": 1, "layout": {"family": "full", "zero_stage": None, "world_size": 1}, "must_match": {},
-                       "train_state": {}, "files": {"a": {"size": 2 ** 70 * 1.0, "sha256": "0" * 64}}})]
+           json.dumps({"format_version": 1, "step": 1, "layout": {"family": "full", "zero_stage": None,
+                                                                    "world_size": 1},
+                       "must_match": {}, "train_state": {}, "files": {"../x": {"size": 1, "sha256": "0" * 64}}}),
+           json.dumps({"format_version": 1, "step": 1, "layout": {"family": "full", "zero_stage": None,
+                                                                    "world_size": 1},
+                       "must_match": {}, "train_state": {}, "files": {"a": {"size": 2 ** 70 * 1.0,
+                                                                            "sha256": "0" * 64}}})]
     for text in bad:
         (tmp_path / "checkpoint.json").write_text(text)
         with pytest.raises(ValueError):
-            integrity.read_manifest(str(tmp_path))
+            read_manifest(str(tmp_path))
     os.unlink(tmp_path / "checkpoint.json")
     os.mkfifo(tmp_path / "checkpoint.json")
     with pytest.raises(ValueError, match="checkpoint.json is a FIFO"):
-        integrity.read_manifest(str(tmp_path))
+        read_manifest(str(tmp_path))
 
 
 LAYOUT = {"family": "full", "zero_stage": None, "world_size": 1, "grad_accum": 1}
@@ -154,7 +165,8 @@ def manifest_with(**change):
     """A well-formed manifest of one file, with `change` applied (layout keys as layout_KEY)."""
     layout = {**LAYOUT, **{k[7:]: v for k, v in change.items() if k.startswith("layout_")}}
     fields = {k: v for k, v in change.items() if not k.startswith("layout_")}
-    return {"step": 2, "layout": layout, "must_match": {}, "train_state": {}, "files": {}, **fields}
+    return {"format_version": 1, "step": 2, "layout": layout, "must_match": {}, "train_state": {}, "files": {},
+            **fields}
 
 
 def test_every_manifest_field_is_checked_for_type_and_range(tmp_path):
@@ -169,19 +181,39 @@ def test_every_manifest_field_is_checked_for_type_and_range(tmp_path):
     for key, (value, words) in cases.items():
         (tmp_path / "checkpoint.json").write_text(json.dumps(manifest_with(**{key: value})))
         with pytest.raises(ValueError, match=re.escape(words)):
-            integrity.read_manifest(str(tmp_path), contents=False)
+            read_manifest(str(tmp_path), contents=False)
     (tmp_path / "checkpoint.json").write_text(json.dumps(manifest_with(recipe="mnist")))
-    assert integrity.read_manifest(str(tmp_path), contents=False)["recipe"] == "mnist"
+    assert read_manifest(str(tmp_path), contents=False)["recipe"] == "mnist"
+
+
+def test_a_manifest_of_another_format_version_is_refused_naming_it(tmp_path):
+    """Issue 43, item 3: a save writes this code's format version into its manifest; a manifest of another version,
+    or of none (the checkpoints written before it was recorded), is one line saying which version wrote it."""
+    write_manifest(str(tmp_path), {k: v for k, v in manifest_with().items() if k != "format_version"})
+    assert read_manifest(str(tmp_path), contents=False)["format_version"] == FORMAT_VERSION == 1
+    later = "and this code reads format 1 only (resume it with the code that wrote it)"
+    cases = {None: f"checkpoint.json records no format_version: runkit before format 1 wrote it, {later}",
+             2: f"checkpoint.json records format_version 2: another version of runkit wrote it, {later}",
+             "1": f"checkpoint.json records format_version '1': another version of runkit wrote it, {later}",
+             True: f"checkpoint.json records format_version True: another version of runkit wrote it, {later}"}
+    for version, line in cases.items():
+        manifest = manifest_with(format_version=version)
+        if version is None:
+            del manifest["format_version"]
+        (tmp_path / "checkpoint.json").write_text(json.dumps(manifest))
+        with pytest.raises(ValueError) as refused:
+            read_manifest(str(tmp_path), contents=False)
+        assert str(refused.value) == line
 
 
 def test_train_state_fields_are_checked_for_type_and_range():
-    """Issue 36, M1 and M2: what Run writes, field by field (train_state.TRAIN_STATE)."""
+    """Issue 36, M1 and M2: what Run writes, field by field (manifest.py's TRAIN_STATE)."""
     state = {"step": 2, "total_steps": 20, "epoch": 0, "step_in_epoch": 2, "epochs_run": 1, "first_loss": 2.5,
              "final_loss": None, "last_eval": None, "train_time": 1.5, "output_dir": "out", "stopped": False,
              "run_id": "0f" * 16,
              "window": {"loss_sums": [1.0, 2.0], "micro": 1, "data_time": 0.1, "compute_time": 0.2}}
     layout = {**LAYOUT, "world_size": 2}
-    assert train_state.state_problem(manifest_with(train_state=state, layout=layout)) is None
+    assert state_problem(manifest_with(train_state=state, layout=layout)) is None
     cases = [({}, "its train_state lacks 'epoch'"), ({**state, "extra": 1}, "holds an unknown field 'extra'"),
              ({**state, "step": "2"}, "its train_state's step '2' is not of the type"),
              ({**state, "train_time": -1.0}, "its train_state's train_time -1.0 is not of the type"),
@@ -193,7 +225,7 @@ def test_train_state_fields_are_checked_for_type_and_range():
              ({**state, "window": {**state["window"], "loss_sums": [1.0]}}, "holds 1 loss sums for 2 processes"),
              ({**state, "window": {**state["window"], "micro": None}}, "its train_state's micro None is not")]
     for bad, words in cases:
-        assert words in train_state.state_problem(manifest_with(train_state=bad, layout=layout)), words
+        assert words in state_problem(manifest_with(train_state=bad, layout=layout)), words
 
 
 def test_a_manifest_lists_exactly_the_files_of_its_engine():
@@ -204,26 +236,26 @@ def test_a_manifest_lists_exactly_the_files_of_its_engine():
 
     common = ["random_states_0.pkl", "random_states_1.pkl", "rank-0.done", "rank-1.done", "scheduler.bin"]
     full = manifest_with(layout_world_size=2, files=table(*common, "model.safetensors", "optimizer.bin"))
-    assert integrity.files_problem(full) is None
-    assert "does not list random_states_1.pkl" in integrity.files_problem(
+    assert files_problem(full) is None
+    assert "does not list random_states_1.pkl" in files_problem(
         {**full, "files": table(*common[:1], *common[2:], "model.safetensors", "optimizer.bin")})
-    assert "lists custom.pkl, which no full save" in integrity.files_problem(
+    assert "lists custom.pkl, which no full save" in files_problem(
         {**full, "files": {**full["files"], **table("custom.pkl")}})
-    assert "does not list optimizer_1.bin" in integrity.files_problem(full, optimizers=2)
-    assert integrity.files_problem({**full, "files": table(*common, "model.safetensors")}, optimizers=0) is None
+    assert "does not list optimizer_1.bin" in files_problem(full, optimizers=2)
+    assert files_problem({**full, "files": table(*common, "model.safetensors")}, optimizers=0) is None
     zero3 = manifest_with(layout_family="deepspeed", layout_zero_stage=3, layout_world_size=2, files=table(
         *common, "latest", "zero_to_fp32.py", *(f"pytorch_model/zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
                                                  for r in (0, 1) for kind in ("model", "optim"))))
-    assert integrity.files_problem(zero3) is None
+    assert files_problem(zero3) is None
     missing = {k: v for k, v in zero3["files"].items() if "rank_1_mp_rank_00_optim" not in k}
-    assert "does not list pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt" in integrity.files_problem(
+    assert "does not list pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt" in files_problem(
         {**zero3, "files": missing})
     fsdp = manifest_with(layout_family="fsdp", layout_world_size=2, files=table(
         *common, "rank-0.buffers.safetensors", "rank-1.buffers.safetensors",
         *(f"{d}/{f}" for d in ("pytorch_model_fsdp_0", "optimizer_0") for f in (".metadata", "__0_0.distcp",
                                                                                "__1_0.distcp"))))
-    assert integrity.files_problem(fsdp) is None
-    assert "does not list optimizer_0/__1_0.distcp" in integrity.files_problem(
+    assert files_problem(fsdp) is None
+    assert "does not list optimizer_0/__1_0.distcp" in files_problem(
         {**fsdp, "files": {k: v for k, v in fsdp["files"].items() if k != "optimizer_0/__1_0.distcp"}})
 
 
@@ -235,7 +267,7 @@ def test_a_held_checkpoint_reads_what_was_verified(tmp_path):
     (root / "sub" / "a.json").write_bytes(b"verified")
     secret.write_bytes(b"outside!")
     files = {"sub/a.json": {"size": 8, "sha256": hashlib.sha256(b"verified").hexdigest()}}
-    with integrity.HeldCheckpoint(str(root), files, follow=False) as held:
+    with HeldCheckpoint(str(root), files, follow=False) as held:
         assert held.share_problems(0, 1) == (None, None)
         (root / "sub" / "a.json").unlink()
         os.symlink(secret, root / "sub" / "a.json")
@@ -245,7 +277,7 @@ def test_a_held_checkpoint_reads_what_was_verified(tmp_path):
     assert not os.path.exists(view)  # the private view goes with the held files
     os.rename(root / "sub", tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", root / "sub")
-    with integrity.HeldCheckpoint(str(root), files) as held:
+    with HeldCheckpoint(str(root), files) as held:
         assert held.share_problems(0, 1)[0] == "sub/a.json: sub is not a directory a save writes (a link or a file)"
 
 
@@ -257,7 +289,7 @@ def test_dcp_slices_are_bounded_like_torch_files(tmp_path):
 
     dcp.save({"w": torch.arange(6.0).view(2, 3)}, checkpoint_id=str(tmp_path))
     rels = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.iterdir())
-    assert integrity.check_loadable(tmp_path, [".metadata"], {rel: {"size": None} for rel in rels}) is None
+    assert check_loadable(tmp_path, [".metadata"], {rel: {"size": None} for rel in rels}) is None
     with open(tmp_path / ".metadata", "rb") as f:
         metadata = safe_loading.safe_metadata_load(f)
     (info,) = metadata.storage_data.values()
@@ -267,12 +299,12 @@ def test_dcp_slices_are_bounded_like_torch_files(tmp_path):
     info.offset, info.length = 0, len(packed)
     (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
     files = {rel: {"size": None} for rel in rels}
-    assert integrity.check_loadable(tmp_path, [".metadata"], files) == (
+    assert check_loadable(tmp_path, [".metadata"], files) == (
         f"{info.relative_path}: refused (a slice at 0: its entries are compressed; torch.save never compresses, and "
         f"they could inflate to far more memory than the file's size)")
     info.transform_descriptors = ["zstd"]
     (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
-    assert "it asks for a transform of" in integrity.check_loadable(tmp_path, [".metadata"], files)
+    assert "it asks for a transform of" in check_loadable(tmp_path, [".metadata"], files)
 
 
 def test_a_dcp_entry_loads_only_into_an_object_of_its_kind(tmp_path):

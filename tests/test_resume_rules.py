@@ -1,4 +1,4 @@
-"""recipes/runkit/resume_rules.py without a launch: what a resume on another world size or --grad-accum may
+"""recipes/runkit/checkpoint/rules.py without a launch: what a resume on another world size or --grad-accum may
 change, what it refuses, the log window's rule, and the table in
 docs/checkpoints.md that states the rules. Quick: the launches that prove them are in test_checkpoint_resume.py."""
 
@@ -10,8 +10,8 @@ import pytest
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit.resharding import reshaped_window  # noqa: E402
-from runkit.resume_rules import (  # noqa: E402
+from runkit.checkpoint.resharding import reshaped_window  # noqa: E402
+from runkit.checkpoint.rules import (  # noqa: E402
     PER_RANK,
     RESHAPE,
     WORLD_SIZE_CHANGE,
@@ -123,7 +123,7 @@ def test_each_per_rank_rule_names_the_one_function_that_applies_it():
     """Every PER_RANK row says where its rule is applied, and that function exists there (a rule moved or renamed
     without its row fails here)."""
     for part, (rule, where) in PER_RANK.items():
-        module, name = where.split(".")
+        module, name = where.rsplit(".", 1)
         assert rule and callable(getattr(importlib.import_module(f"runkit.{module}"), name, None)), (part, where)
 
 

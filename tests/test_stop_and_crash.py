@@ -1,8 +1,8 @@
 """Stopping and crashing, all in one place: stop signals, a dead rank, a kill during a save, a launcher that dies,
-a full disk and Ctrl-C; each recipe's own stop; and recipes/runkit/stopping.py without a run.
+a full disk and Ctrl-C; each recipe's own stop; and recipes/runkit/stopping.py, stop.py and launcher.py without a run.
 
-The quick tests (no launch) check stopping.py itself: the stop agreement between ranks, the line that says how to
-stop a run, and a worker whose launcher is gone before it starts. The others are real launches on CPU (slow): each
+The quick tests (no launch) check them: the stop agreement between ranks, the line that says how to stop a run, the
+stop command, and a worker whose launcher is gone before it starts. The others are real launches on CPU (slow): each
 starts a run in the background, waits for a state it can see (a metrics line, a message), acts on the processes,
 and checks how the whole launch ends. The waits have deadlines only to turn a hang into a failure; the durations
 asserted are the 60 s limit the issue sets for a dead rank, and the 60 s in which a run must end once stopped
@@ -49,7 +49,7 @@ from run_checks import assert_identical_params, assert_same_steps
 sys.path.insert(0, str(REPO / "recipes"))
 from runkit.stopping import GracefulStop, how_to_stop  # noqa: E402
 
-# ---- recipes/runkit/stopping.py, without a run (quick) -------------------------------------------------------
+# ---- recipes/runkit/stopping.py, stop.py and launcher.py, without a run (quick) ------------------------------
 
 
 class OneRank:
@@ -114,7 +114,8 @@ def test_how_to_stop_under_slurm_names_the_job(outside_any_launcher):
 CHILD = """
 import sys
 sys.path.insert(0, "recipes")
-from runkit.stopping import die_with_launcher, how_to_stop
+from runkit.launcher import die_with_launcher
+from runkit.stopping import how_to_stop
 die_with_launcher()
 print(how_to_stop("my ckpt"), flush=True)
 print(how_to_stop(None), flush=True)
@@ -131,12 +132,12 @@ def test_how_to_stop_under_a_launcher_names_the_stop_command(outside_any_launche
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     first, without, trained = out.stdout.splitlines()
-    assert first == "stop with a checkpoint: python3 recipes/runkit/stopping.py 'my ckpt'"
+    assert first == "stop with a checkpoint: python3 recipes/runkit/stop.py 'my ckpt'"
     pid = int(re.match(r"kill -TERM (\d+) stops it without a checkpoint", without).group(1))
     assert pid != os.getpid() and trained == "trained on"  # the worker's own pid, not the launcher's
 
 
-# A run as stopping.py's command sees one: it holds the directory's lock open (dirlock.py's mark), and on SIGTERM it
+# A run as the stop command (stop.py) sees one: it holds the directory's lock open (lock.py's mark), and on SIGTERM it
 # saves a checkpoint marked as the stop's and exits 75 (FAKE_STOP=crash: it dies without saving; =ignore: it goes on).
 FAKE_RUN = """
 import json, os, signal, socket, sys, time
@@ -147,7 +148,7 @@ def stop(signum, frame):
         os._exit(1)
     os.makedirs(os.path.join(directory, "step-00000007"))
     with open(os.path.join(directory, "step-00000007", "checkpoint.json"), "w") as f:
-        json.dump({"step": 7, "train_state": {"step": 7, "stopped": True, "output_dir": "out"}}, f)
+        json.dump({"format_version": 1, "step": 7, "train_state": {"step": 7, "stopped": True, "output_dir": "out"}}, f)
     os.unlink(lock)
     sys.exit(75)
 signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_STOP") == "ignore" else stop)
@@ -160,7 +161,7 @@ time.sleep(120)
 
 
 def stop_command(directory, *extra):
-    return subprocess.run([sys.executable, "recipes/runkit/stopping.py", str(directory), *extra], cwd=REPO,
+    return subprocess.run([sys.executable, "recipes/runkit/stop.py", str(directory), *extra], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -189,7 +190,8 @@ def test_stop_command_says_when_the_run_ended_without_saving(tmp_path):
     without saving: that older checkpoint is not this stop's, exit 1 (it was reported as saved, exit 75)."""
     earlier = tmp_path / "ckpt" / "step-00000005"
     earlier.mkdir(parents=True)
-    (earlier / "checkpoint.json").write_text(json.dumps({"step": 5, "train_state": {"step": 5, "stopped": True}}))
+    (earlier / "checkpoint.json").write_text(json.dumps({"format_version": 1, "step": 5,
+                                                          "train_state": {"step": 5, "stopped": True}}))
     run = fake_run(tmp_path / "ckpt", crash=True)
     out = stop_command(tmp_path / "ckpt")
     assert run.wait(timeout=60) == 1 and out.returncode == 1, (out.stdout, out.stderr)
@@ -215,7 +217,7 @@ def test_stop_command_says_what_it_cannot_see(tmp_path, monkeypatch):
     """A user's own run whose /proc entries that user cannot read (permission denied, as for a process that dropped
     its dumpable flag; root reads everything, so /proc's answer is played here): the command says so and signals
     nothing (it said the live pid was "no run any more")."""
-    import runkit.stopping as stopping
+    import runkit.stop as stop
     run = fake_run(tmp_path / "ckpt")
     listdir = os.listdir
 
@@ -224,8 +226,8 @@ def test_stop_command_says_what_it_cannot_see(tmp_path, monkeypatch):
             raise PermissionError(13, "Permission denied")
         return listdir(path)
     try:
-        monkeypatch.setattr(stopping.os, "listdir", denied)
-        pid, problem = stopping._holder_pid(str(tmp_path / "ckpt"))
+        monkeypatch.setattr(stop.os, "listdir", denied)
+        pid, problem = stop._holder_pid(str(tmp_path / "ckpt"))
         assert pid is None and f"names pid {run.pid}, which is alive but that this user cannot look into" in problem
         assert run.poll() is None
     finally:
@@ -257,7 +259,7 @@ def test_stop_command_signals_no_process_but_a_run_on_the_directory(tmp_path, lo
                 "not a run on it": f"names pid {bystander.pid}, which is alive but does not hold that lock",
                 "another host": f"runs on elsewhere (pid {bystander.pid}): run this command there",
                 "a Slurm job": "is Slurm job 4242: stop it with scancel --signal=TERM --full 4242"}[lock]
-        assert out.stderr.startswith("stopping.py: error: ") and said in out.stderr, out.stderr
+        assert out.stderr.startswith("stop.py: error: ") and said in out.stderr, out.stderr
         assert bystander.poll() is None  # not signalled
     finally:
         bystander.kill()
@@ -523,14 +525,14 @@ def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, lau
 
 @pytest.mark.slow
 def test_first_line_names_a_stop_command_that_exits_75(start, tmp_path):
-    """Under accelerate launch (2 processes) the first line names stopping.py's command: run as it says, it stops
+    """Under accelerate launch (2 processes) the first line names the stop command (stop.py): run as it says, it stops
     every rank after the same step with a checkpoint, exits 75 once the run has saved and ended, and the lock is
     released. No SignalException (the launcher is not signalled), and the run's own stop line says that accelerate
     launch reports the stop as 1, which it does; torchrun's report gives that line as the root cause."""
     ckpt = tmp_path / "ckpt"
     run = start("2gpu.yaml", "--epochs", "50", "--log-every", "1", "--checkpoint-dir", str(ckpt))
     run.wait_until(lambda: "stop with a checkpoint: " in run.output and run.steps_logged() >= 2, "step 2")
-    said = re.search(r"stop with a checkpoint: (python3 recipes/runkit/stopping.py \S+)$", run.output, re.M)
+    said = re.search(r"stop with a checkpoint: (python3 recipes/runkit/stop.py \S+)$", run.output, re.M)
     assert said, run.output[-3000:]
     command = subprocess.run(shlex.split(said.group(1)), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert command.returncode == 75, (command.stdout, command.stderr)

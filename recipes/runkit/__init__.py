@@ -2,36 +2,50 @@
 
 docs/writing-a-recipe.md is the contract a recipe relies on. One module per concern:
 
-    run.py           Run: the object a recipe's loop calls; the façade over the modules below
-    cadence.py       when to evaluate and when to save: a small object of pure functions
-    flags.py         the run services' flags (RUN_FLAGS, add_run_args), with their help
-    checkpoints.py   --checkpoint-dir: its lock, saving, choosing, loading and rotating checkpoints
-    resume_rules.py  what a resumed run must share with the checkpoint, and what it may change
-    resharding.py    a resume on another world size or --grad-accum: each per-rank rule, the universal checkpoint
-    integrity.py     manifests, checksums shared by the ranks, a checkpoint read only through what was verified
-    safe_loading.py  what a checkpoint file may contain: loading that never runs code, memory bounded by size
-    train_state.py   the training state a manifest holds: its fields, types and ranges, checked before a resume
-    dirlock.py       one writer per --checkpoint-dir
-    owners.py        whose entries in a shared --checkpoint-dir a run may use, and how many it looks at
-    results.py       where results go (run.json: which run writes a directory) and writing them without following links
-    collectives.py   verdicts every rank reaches together: the main process's result, the first rank's problem
-    sharded_model.py run.sharded_init(): the model built sharded under ZeRO-3 and FSDP
-    stopping.py      stop signals, the agreement between ranks, exit code 75, dying with the launcher
-    timing.py        the data / forward+backward / optimizer / other split, without stalling the GPU
-    reporting.py     metrics.jsonl, the progress and evaluation lines, --report-to, --profile, memory, summary.json
-    refusals.py      launches that would train wrongly, refused at start-up with one message
-    engines.py       what accelerate set up, the adjustments that make every engine train alike, the export
-    optimizers.py    which optimizer really steps, and the scheduler pointed at it
-    exits.py         one message and one exit code from every rank; the process group torn down
+    run.py                      Run: the object a recipe's loop calls; the façade over the modules below
+    cadence.py                  when to evaluate and when to save: a small object of pure functions
+    flags.py                    the run services' flags (RUN_FLAGS, add_run_args), with their help
+    checkpoint/checkpointer.py  --checkpoint-dir behind one object: the lock at start-up, then save, choose, load
+    checkpoint/layout.py        the names and size limits of what a --checkpoint-dir holds (standard library)
+    checkpoint/untrusted.py     one bounded read of a small untrusted file: no link followed, no FIFO blocking
+    checkpoint/owners.py        whose entries in a shared --checkpoint-dir a run may use, and how many it looks at
+    checkpoint/lock.py          one writer per --checkpoint-dir: the lock, its holder alive or stale
+    checkpoint/files.py         a checkpoint's files reached without following links: opened, hashed, listed
+    checkpoint/held.py          a checkpoint held open and read only through what every rank verified
+    checkpoint/manifest.py      checkpoint.json: its schema and training state, read once, written once
+    checkpoint/formats.py       one object per engine's format: the files it writes, LoRA's frozen weights
+    checkpoint/save.py          a save written by every rank, verified, published by one rename
+    checkpoint/choose.py        which checkpoint a run resumes from: candidates, verification, falling back
+    checkpoint/rotate.py        --keep-last: deleting only older checkpoints of this run that verify
+    checkpoint/load.py          loading the chosen checkpoint through the files it verified
+    checkpoint/rules.py         what a resumed run must share with the checkpoint, and what it may change
+    checkpoint/resharding.py    another world size or --grad-accum: each per-rank rule, the universal checkpoint
+    checkpoint/safe_loading.py  what a checkpoint file may contain: no code runs, memory bounded by size
+    results.py                  where results go (run.json), written without following links
+    collectives.py              verdicts every rank reaches together
+    sharded_model.py            run.sharded_init(): the model built sharded under ZeRO-3 and FSDP
+    stopping.py                 stop signals, the agreement between ranks, exit code 75, the line naming how to stop
+    stop.py                     the stop command: python3 recipes/runkit/stop.py DIR stops the run that holds DIR
+    launcher.py                 the launcher a worker runs under: its exit code's fate, dying with it (no orphan)
+    timing.py                   the data / forward+backward / optimizer / other split, without stalling the GPU
+    reporting.py                metrics.jsonl, the progress and evaluation lines, --profile, memory, summary.json
+    refusals.py                 launches that would train wrongly, refused at start-up with one message
+    engines.py                  what accelerate set up, the adjustments that make every engine train alike, the export
+    optimizers.py               which optimizer really steps, and the scheduler pointed at it
+    exits.py                    one message and one exit code from every rank; the process group torn down
 """
 
-from .flags import add_run_args  # noqa: F401  (the standard library only: a recipe's --help answers without torch)
+# Run and add_run_args are imported when a recipe asks for them (PEP 562), not with the package: importing one module
+# of runkit (the stop command's standard-library modules, launch/slurm_launch.py's exit code) imports no torch.
+_LAZY = {"Run": "run", "add_run_args": "flags"}
+__all__ = list(_LAZY)
 
 
 def __getattr__(name):
-    """`from runkit import Run` imports run.py, and with it torch and accelerate, when a recipe asks for Run: after
-    its flags are parsed, not when it imports add_run_args."""
-    if name == "Run":
-        from .run import Run
-        return Run
-    raise AttributeError(f"module 'runkit' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value  # once: later lookups find it here
+    return value

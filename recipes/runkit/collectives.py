@@ -35,11 +35,11 @@ def first_rank_problems(accelerator, *problems):
 
 
 def checked_by_every_rank(accelerator, held, also=None):
-    """Collective: (damage, unsafe) of a checkpoint every rank holds (integrity.HeldCheckpoint). Each rank checks
-    its share (and also(), when given and its share passes: a check of what the files hold for this run), then
-    every rank takes the first rank's problem of each kind; with none, damage when the ranks do not hold the same,
-    unchanged files (one was replaced while they checked it), so that what one rank verified is what every rank
-    loads."""
+    """Collective: (damage, unsafe) of a checkpoint every rank holds (checkpoint/held.py's HeldCheckpoint). Each rank
+    checks its share (and also(), when given and its share passes: a check of what the files hold for this run),
+    then every rank takes the first rank's problem of each kind; with none, damage when the ranks do not hold the
+    same, unchanged files (one was replaced while they checked it), so that what one rank verified is what every
+    rank loads."""
     world = accelerator.num_processes
     damage, unsafe = held.share_problems(accelerator.process_index, world)
     if not (damage or unsafe) and also:

@@ -3,7 +3,7 @@
 Owns RUN_FLAGS and add_run_args(): the output directory and the progress lines, the checkpoint and stop flags
 (one group in --help: docs/checkpoints.md), and the reporting flags; and how a recipe's parser reports a wrong
 flag: one line, once (one_line_errors), and a --help that gives each default once (DefaultOnce). Which of them
-a resumed run may change is resume_rules.py's (MAY_CHANGE); what each does is the module's that acts on it.
+a resumed run may change is checkpoint/rules.py's (MAY_CHANGE); what each does is the module's that acts on it.
 """
 
 import argparse

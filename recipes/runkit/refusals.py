@@ -17,7 +17,7 @@ from accelerate.utils import DistributedType
 
 from .engines import deepspeed_config, engine_facts
 from .exits import fail, report
-from .resume_rules import processes_hint
+from .checkpoint.rules import processes_hint
 
 ON_A_CPU = "docs/configs.md, 'On a CPU'"
 CPU_HINT = ("To run several processes on a CPU-only machine, set ACCELERATE_USE_CPU=1 for DDP configs; "

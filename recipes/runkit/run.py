@@ -40,7 +40,8 @@ from tqdm import tqdm
 
 from . import results
 from .cadence import Cadence, Progress
-from .checkpoints import Checkpointer, finished, lock_directory
+from .checkpoint import NoCheckpoints
+from .checkpoint.rules import must_match_settings
 from .collectives import main_process_result
 from .engines import (
     cast_buffers_for_half_precision,
@@ -56,6 +57,7 @@ from .engines import (
 )
 from .exits import fail, main_print, teardown
 from .flags import RUN_FLAGS
+from .launcher import die_with_launcher
 from .optimizers import implementation, optimizer_name, repoint_scheduler
 from .refusals import (
     check_batch,
@@ -77,9 +79,8 @@ from .reporting import (
     start_tracking,
     write_summary,
 )
-from .resume_rules import must_match_settings
 from .sharded_model import BUILT_WHOLE, check_whole_model_fits, sharded_building
-from .stopping import GracefulStop, die_with_launcher, how_to_stop, stopped
+from .stopping import GracefulStop, how_to_stop, stopped
 from .timing import StepTimer
 
 
@@ -106,7 +107,7 @@ def resumable_epochs(accelerator, loader, progress, epochs, steps_per_epoch, gra
 class Run:
     def __init__(self, name, args, unit="samples", may_change=None):
         """Call first in main(): from here on a stop signal is remembered instead of killing the process.
-        may_change: {flag: why} for the recipe's flags that a resumed run may change (resume_rules.py)."""
+        may_change: {flag: why} for the recipe's flags that a resumed run may change (checkpoint/rules.py)."""
         missing = [flag for flag in (*RUN_FLAGS, *(may_change or {})) if not hasattr(args, flag)]
         if missing:
             raise TypeError(f"Run({name!r}): the parsed flags lack {missing}; call add_run_args(parser, ...)")
@@ -142,7 +143,10 @@ class Run:
         self.engine_facts = engine_facts(accelerator)
         self.default_output_dir = default_output_dir or os.path.join("runs", self.name, run_label(accelerator))
         # The directory's lock first: a second run on it stops in seconds, before it loads data or a model.
-        self.lock, self.peeked = lock_directory(accelerator, self.args.checkpoint_dir, self.args.resume, self.name)
+        self.lock, self.peeked = None, None
+        if self._keeps_checkpoints():  # else the checkpoint package is not even imported
+            from .checkpoint import lock_directory
+            self.lock, self.peeked = lock_directory(accelerator, self.args.checkpoint_dir, self.args.resume, self.name)
         self._place_results(self.peeked)
         self._complete_before_loading()
 
@@ -163,10 +167,15 @@ class Run:
         """Collective: the same command again after the run finished is answered here, before any data or model
         loads, when the checkpoint the resume would take says so (checkpoints.finished); else start() decides."""
         acc, done = self.accelerator, None
-        if acc.is_main_process and self.args.resume == "auto":
+        if acc.is_main_process and self.args.resume == "auto" and self.peeked:
+            from .checkpoint.choose import finished
             done = finished(self.peeked, self.args.checkpoint_dir, must_match_settings(self.args, self.may_change, {}))
         if main_process_result(acc, (done, None)):
             self._already_complete(done, self.peeked[1])
+
+    def _keeps_checkpoints(self):
+        """Whether this run saves checkpoints (--checkpoint-dir) or resumes one (--resume PATH)."""
+        return bool(self.args.checkpoint_dir) or self.args.resume not in ("auto", "none")
 
     def _continues(self, checkpoint):
         """(run id, its recorded output directory) of the run that wrote `checkpoint` when this run continues it: the
@@ -231,8 +240,12 @@ class Run:
         self.cadence = Cadence(steps_per_epoch, total_steps, evaluates=evaluate is not None, eval_every=eval_every,
                                saves=bool(args.checkpoint_dir), checkpoint_every=args.checkpoint_every)
         must_match = must_match_settings(args, self.may_change, data_facts or {})
-        self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock,
-                                         self.name)
+        if self._keeps_checkpoints():
+            from .checkpoint import Checkpointer
+            self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock,
+                                             self.name)
+        else:
+            self.checkpointer = NoCheckpoints()
         chosen = self.checkpointer.choose(args.resume)
         if (chosen and chosen[0]) != (self.peeked and self.peeked[0]):  # the manifests alone pointed elsewhere
             self._place_results(chosen)
@@ -423,7 +436,7 @@ class Run:
         started = time.perf_counter()
         s = self.state
         s["window"] = self.timer.window_state()  # collective
-        # "stopped": a checkpoint saved for a stop (stopping.py's command reads it).
+        # "stopped": a checkpoint saved for a stop (the stop command, stop.py, reads it).
         self.checkpointer.save(s["step"], {**s, "train_time": self._train_time(), "output_dir": self.output_dir,
                                            "run_id": self.run_id, "stopped": self.stopping,
                                            "total_steps": self.total_steps})

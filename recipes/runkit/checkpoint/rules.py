@@ -19,7 +19,7 @@ import json
 
 from accelerate.utils import DistributedType
 
-from .engines import engine_facts
+from ..engines import engine_facts
 
 # Flags of the run services (add_run_args) that may differ between a run and its resume, and why.
 MAY_CHANGE = {
@@ -60,19 +60,20 @@ RESHAPE = {
 PER_RANK = {
     "RNG state (random_states_R.pkl)": (
         "a rank the checkpoint has takes its own; a new rank takes rank 0's (the ranks start from one seed); the "
-        "state of a rank that no longer exists is dropped", "resharding.rng_for_new_rank"),
+        "state of a rank that no longer exists is dropped", "checkpoint.resharding.rng_for_new_rank"),
     "buffers (rank-R.buffers.safetensors, FSDP: BatchNorm statistics)": (
         "a new rank takes rank 0's; those of a rank that no longer exists are dropped",
-        "resharding.load_rank_buffers"),
+        "checkpoint.resharding.load_rank_buffers"),
     "data position": (
         "kept: it counts optimizer steps of the global batch, and the sampler's order depends only on seed and "
         "epoch, so the new ranks split the same samples of each step among themselves", "run.resumable_epochs"),
     "log window": (
         "its loss is the mean over the old ranks, carried by every new rank, with its micro-batch count converted "
-        "to the new --grad-accum (the same samples, in the new micro-batches)", "resharding.reshaped_window"),
+        "to the new --grad-accum (the same samples, in the new micro-batches)",
+        "checkpoint.resharding.reshaped_window"),
     "accelerate's micro-batch counter (accelerator.step)": (
         "set to the checkpoint's step x the new --grad-accum: its remainder decides which micro-batch ends an "
-        "optimizer step", "resharding.set_micro_batch_counter"),
+        "optimizer step", "checkpoint.resharding.set_micro_batch_counter"),
 }
 
 

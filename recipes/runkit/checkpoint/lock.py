@@ -6,12 +6,14 @@ the sticky bit (others could replace this run's files and directories there). Th
 untrusted: whatever is at .lock (a link, a FIFO, garbage) is one message or a takeover, never a hang. In a
 shared directory with the sticky bit, another user's .lock (or .lock.takeover) does not hold this user's runs
 back and cannot be removed: the run then locks under a name of its own, .lock.<uid>.<random>, and a run
-that finds another live lock of its user's stops (owners.py: a run uses only its own user's entries)."""
+that finds another live lock of its user's stops (owners.py: a run uses only its own user's entries).
+
+Also owns whether a process on this host is alive (alive: a zombie is not), which the stop command asks too. Its
+names are layout.py's, and it reads a lock as any small untrusted file (untrusted.py). Standard library only."""
 
 import atexit
 import json
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -20,14 +22,12 @@ import sys
 import threading
 import time
 
+from .layout import LOCK, LOCK_MAX_BYTES, TAKEOVER, TMP, is_lock_name, own_lock_name
 from .owners import theirs
+from .untrusted import Missing, read_small, whole
 
-LOCK = ".lock"
-TAKEOVER = ".lock.takeover"  # held (O_EXCL) by the one run replacing a stale lock, for a moment
-LOCKS = re.compile(r"^\.lock(?:\.\d+\.[0-9a-f]{8})?$")  # .lock, and a user's own where another user holds .lock
 HEARTBEAT_S, STALE_S = 30, 180  # the holder touches its lock every 30 s; 3 minutes without a touch: dead
 PID_MAX = 1 << 22  # Linux's largest pid_max: a holder on another host may have any pid up to it
-LOCK_MAX_BYTES = 4096  # a lock holds a few fields; more is not a lock this code wrote
 
 
 class NotALock(OSError):
@@ -53,7 +53,7 @@ def take(directory):
         return None, f"--checkpoint-dir {directory}: cannot be used ({exc})"
     if error:
         return None, error
-    for leftover in (n for n in os.listdir(directory) if n.startswith(".tmp-")):
+    for leftover in (n for n in os.listdir(directory) if n.startswith(TMP)):
         path = os.path.join(directory, leftover)
         try:
             if theirs(os.lstat(path)):
@@ -84,7 +84,7 @@ class DirectoryLock:
     """One writer per --checkpoint-dir, on any shared file system: the lock is a file created with O_EXCL
     (atomic on NFS v3+ and Lustre) holding host, pid and Slurm job id, and touched every 30 s while held.
 
-    A lock is stale, and taken over, when its holder is a dead process on this host, an earlier run of
+    A lock is stale, and taken over, when its holder is a dead process on this host (alive), an earlier run of
     this very Slurm job (a requeue: Slurm never runs one job id twice at once), or silent for 3 minutes.
     Only one run at a time may replace a stale lock (an O_EXCL .lock.takeover), and a holder whose lock
     was replaced meanwhile (it was suspended for minutes) finds out at its next save and stops."""
@@ -102,7 +102,7 @@ class DirectoryLock:
             error = self._acquire_shared()
         except OthersLock as exc:  # a shared directory with the sticky bit: a name of this user's own instead
             directory = os.path.dirname(self.path)
-            self.path = os.path.join(directory, f"{LOCK}.{os.geteuid()}.{secrets.token_hex(4)}")
+            self.path = os.path.join(directory, own_lock_name(os.geteuid(), secrets.token_hex(4)))
             print(f"warning: {exc}; this run locks {directory} with {self.path} instead", file=sys.stderr, flush=True)
             error = None if self._create() else self._refusal({})
         if error:
@@ -155,7 +155,7 @@ class DirectoryLock:
         took .lock after that user's left each find the other here: the later one stops (both, if they start in
         the same instant), so that one run writes."""
         directory, mine = os.path.dirname(self.path), os.path.basename(self.path)
-        for name in sorted(n for n in os.listdir(directory) if LOCKS.match(n) and n != mine):
+        for name in sorted(n for n in os.listdir(directory) if is_lock_name(n) and n != mine):
             path = os.path.join(directory, name)
             try:
                 holder, why = self._stale(path)
@@ -197,8 +197,8 @@ class DirectoryLock:
         """(holder, age in s, identity) of what is at .lock (or `path`): holder the lock's fields when they are a
         lock this code writes, "link" for a symbolic link, else None (an unknown holder); identity tells one lock
         file from its replacement. Raises FileNotFoundError when there is none, OthersLock when it is another
-        user's, NotALock for a FIFO, device or socket. Opened O_NOFOLLOW|O_NONBLOCK and checked with fstat:
-        nothing here blocks or follows a link."""
+        user's, NotALock for a FIFO, device or socket. Read as any small untrusted file (untrusted.read_small:
+        O_NOFOLLOW|O_NONBLOCK, checked with fstat, bounded): nothing here blocks or follows a link."""
         path = path or self.path
         st = os.lstat(path)
         if theirs(st):
@@ -210,17 +210,11 @@ class DirectoryLock:
             raise NotALock(f"{path} is not a lock file this code writes (a FIFO, device or socket): another "
                            f"user or program put it there. Remove it (rm {path}) and run again.")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise
-        except OSError:
-            return None, age, identity  # replaced by a link or made unreadable meanwhile: unknown
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None, age, identity
-            data = os.read(fd, LOCK_MAX_BYTES + 1)
-        finally:
-            os.close(fd)
+            data = read_small(path, LOCK_MAX_BYTES)
+        except Missing:
+            raise FileNotFoundError(f"{path} was just removed") from None
+        except OSError:  # replaced by a link or a FIFO, grown past a lock, or made unreadable meanwhile: unknown
+            return None, age, identity
         return _holder(data), age, identity
 
     def _stale(self, path=None):
@@ -238,7 +232,7 @@ class DirectoryLock:
             return holder, (None if age < STALE_S else f"its content is not a lock this code writes (an unknown "
                                                         f"holder), untouched for {age:.0f} s")
         holder = {**fields, **holder}
-        if holder.get("host") == self.me["host"] and not _alive(holder["pid"]):
+        if holder.get("host") == self.me["host"] and not alive(holder["pid"]):
             return holder, f"its holder, pid {holder['pid']} on this host, is gone"
         if self.me["job"] and holder.get("job") == self.me["job"] and (holder.get("restart") or 0) < self.me["restart"]:
             return holder, f"its holder is an earlier run of this job ({self.me['job']}), which Slurm requeued"
@@ -327,11 +321,26 @@ def _holder(data):
     return fields if ok else None
 
 
-def _alive(pid):
+def alive(pid):
+    """Whether process `pid` runs on this host: one that does not exist does not, nor does a zombie (it has ended and
+    its parent has not reaped it yet: a run killed under a launcher that lives on); another user's does. The one
+    answer for the lock's holder and for the stop command (runkit/stop.py)."""
+    if not whole(pid, 1, PID_MAX):  # os.kill(0) or (-1) would ask about process groups, a huge pid overflow
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass  # another user's process: it exists
+    return _state(pid) != "Z"
+
+
+def _state(pid):
+    """The state Linux gives process `pid` (R, S, D, Z...), from /proc/<pid>/stat (the field after the command name,
+    which may hold spaces), or None where /proc cannot tell: not Linux, or it has just ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

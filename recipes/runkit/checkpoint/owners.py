@@ -1,18 +1,21 @@
 """Whose entries a run may use in a directory that others can write into, and how many it looks at.
 
 Owns two rules of --checkpoint-dir (docs/checkpoints.md, the threat model), asked wherever an entry is chosen,
-counted, read or removed (checkpoints.py, dirlock.py, integrity.py, the stop command):
+counted, read or removed (choose.py, rotate.py, lock.py, untrusted.py, held.py, the stop command):
   * a run uses only what belongs to the user it runs as: a step directory, every file read from it, the lock.
     In a shared directory with the sticky bit, another user may create entries of their own beside this user's,
     and cannot remove or rename this user's; their entries are passed over with one line each, never read,
     counted or removed, and never stop a run (mine, who);
   * what planted entries can cost is bounded: at most INSPECTED step-* entries are read (newest first) and at
-    most SHOWN of those passed over are named one per line, the rest counted in one more line (Passed).
+    most SHOWN of those passed over are named one per line, the rest counted in one more line (Passed); own_steps
+    applies both to a directory's step-* entries. Standard library only.
 """
 
 import os
 import pwd
 import sys
+
+from .layout import steps
 
 INSPECTED = 1000  # step-* entries whose manifests one choice reads, newest first
 SHOWN = 10  # entries passed over that are named, one line each; the rest are counted in one line
@@ -61,3 +64,24 @@ class Passed:
             print(f"warning: {self.verb} {self.unnamed} more entries in {where} (the first {SHOWN} are named above)",
                   file=sys.stderr, flush=True)
             self.unnamed = 0
+
+
+def own_steps(directory, passed):
+    """[(step, path)] of this user's step-* directories in `directory`, newest first, at most INSPECTED of them ([]
+    when it cannot be listed). Another user's entries are passed over (passed.add, naming the owner, when `passed` is
+    given), and so are those beyond the bound, counted in one line; neither is ever counted or read."""
+    found = []
+    for step, path in reversed(steps(directory)):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if theirs(st):
+            if passed:
+                passed.add(path, f"it {theirs(st)}")
+            continue
+        found.append((step, path))
+    if len(found) > INSPECTED and passed:
+        print(f"warning: {directory} holds {len(found)} step-* entries of this user's; only the newest {INSPECTED} "
+              f"were looked at (remove the others)", file=sys.stderr, flush=True)
+    return found[:INSPECTED]

@@ -1,6 +1,6 @@
 """A checkpoint resumed on another world size or --grad-accum: its state brought onto this run's ranks.
 
-Owns what resume_rules.py's WORLD_SIZE_CHANGE and PER_RANK rules say is done, each rule in the one function its
+Owns what rules.py's WORLD_SIZE_CHANGE and PER_RANK rules say is done, each rule in the one function its
 row names:
   * DeepSpeed ZeRO on another world size: the checkpoint's ZeRO state as DeepSpeed's universal checkpoint,
     converted once by the main process into the checkpoint's universal/ part, with a manifest of its own, and
@@ -11,7 +11,7 @@ row names:
   * each rank's own state: the RNG state of a new rank (rng_for_new_rank), FSDP's per-rank buffers
     (save_rank_buffers, load_rank_buffers), the open log window (reshaped_window), and accelerate's micro-batch
     counter (set_micro_batch_counter).
-Whatever it reads from a checkpoint it reads through what was verified (integrity.HeldCheckpoint's view) and under
+Whatever it reads from a checkpoint it reads through what was verified (held.HeldCheckpoint's view) and under
 safe_loading.weights_only_loading: no file runs code.
 """
 
@@ -30,19 +30,13 @@ import torch
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 
-from .collectives import checked_by_every_rank, first_rank_problems, main_process_result
-from .exits import fail
-from .integrity import (
-    DERIVED,
-    DERIVING,
-    HeldCheckpoint,
-    entry_identity,
-    file_table,
-    listing,
-    read_manifest,
-    write_manifest,
-)
-from .resume_rules import saved_grad_accum
+from ..collectives import checked_by_every_rank, first_rank_problems, main_process_result
+from ..exits import fail
+from .files import entry_identity, file_table, listing
+from .held import HeldCheckpoint
+from .layout import DERIVED, DERIVING
+from .manifest import read_manifest, write_manifest
+from .rules import saved_grad_accum
 from .safe_loading import UnsafeCheckpointFile, plain_name, weights_only_loading
 
 
@@ -62,7 +56,7 @@ def universal_part(accelerator, held, manifest):
     """Collective: the checkpoint's ZeRO state as DeepSpeed's universal checkpoint, which loads on any world
     size: PATH/universal, converted once (by the main process, from the files it verified and holds, weights-only)
     and kept as a derived part with its own manifest and checksums; every rank verifies its share of it like any
-    checkpoint file. Returns it held (integrity.HeldCheckpoint): load through its view, then close it."""
+    checkpoint file. Returns it held (held.HeldCheckpoint): load through its view, then close it."""
     path = held.path
     derived = os.path.join(path, DERIVED)
     source = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()

@@ -12,7 +12,7 @@ which whoever can write a file can rewrite):
     bytes where it has another object (weights_only_loading checks it as the load plan is made);
   * numpy in a file is plain uint32/uint64 RNG state.
 A file that breaks a rule is refused by name (UnsafeCheckpointFile, or a problem string from contents_problem).
-It reads only what it is given: integrity.HeldCheckpoint gives it the files a checkpoint verified.
+It reads only what it is given: held.HeldCheckpoint gives it the files a checkpoint verified.
 """
 
 import contextlib

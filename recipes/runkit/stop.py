@@ -1,0 +1,181 @@
+"""The stop command: stop the run that holds a --checkpoint-dir with a checkpoint, from outside the run.
+
+    python3 recipes/runkit/stop.py CHECKPOINT_DIR
+
+stops the run that holds CHECKPOINT_DIR (its lock names the main process) with a checkpoint, waits until it has
+saved and ended, and exits 75 as the run itself does, which accelerate launch cannot pass on: it turns any exit of
+its workers that is not 0 into 1. The run's first line names this command under such a launcher
+(stopping.how_to_stop).
+
+The directory is shared storage, untrusted: this command reads it only through the checkpoint package's modules that
+need nothing but the standard library: the names and size limits (checkpoint/layout.py), whose entries a run may
+use and how many it looks at (checkpoint/owners.py), the bounded read of a small file (checkpoint/untrusted.py) and
+whether a process is alive (checkpoint/lock.py); it signals only a process of this host that holds the lock open.
+Run by path, it puts its package's parent on sys.path and imports runkit absolutely (runkit/__init__.py imports
+nothing eagerly, so no torch).
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+if __name__ == "__main__":  # run by path: runkit from the folder above, not runkit's own modules as top-level names
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from runkit.checkpoint.layout import LOCK, LOCK_MAX_BYTES, MANIFEST, MANIFEST_MAX_BYTES, is_lock_name, steps
+from runkit.checkpoint.lock import alive
+from runkit.checkpoint.owners import INSPECTED
+from runkit.checkpoint.untrusted import read_small
+from runkit.stopping import EXIT_STOPPED
+
+WAIT_S = 900  # how long the command waits for the run to save and end, by default
+
+
+def _json_of(path, limit):
+    """The JSON object in the small file at `path`: a regular file of this user's, of at most `limit` bytes, read
+    without following a link or blocking on a FIFO (untrusted.read_small); None for anything else."""
+    try:
+        data = read_small(path, limit)
+    except OSError:
+        return None
+    try:
+        value = json.loads(data) if data else None
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _holds(pid, lock):
+    """Whether process `pid` holds the lock file `lock` open: the mark a run leaves (lock.py keeps its lock open
+    while it lives), which no other process has, whatever its command line says. None when /proc does not let this
+    user look (another user's process, or one that made itself unreadable)."""
+    try:
+        st = os.stat(lock, follow_symlinks=False)
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except PermissionError:
+        return None
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            held = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (held.st_dev, held.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def _own_locks(directory):
+    """[(path, fields)] of this user's locks in `directory` that read as a lock (.lock first)."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if is_lock_name(n))
+    except OSError:
+        return []
+    found = [(os.path.join(directory, n), _json_of(os.path.join(directory, n), LOCK_MAX_BYTES)) for n in names]
+    return [(path, fields) for path, fields in found if fields]
+
+
+def _newest_state(directory):
+    """(path, training state) of this user's newest checkpoint whose manifest reads, or (None, {})."""
+    for _, path in reversed(steps(directory)[-INSPECTED:]):
+        manifest = _json_of(os.path.join(path, MANIFEST), MANIFEST_MAX_BYTES)
+        if manifest and isinstance(manifest.get("train_state"), dict):
+            return path, manifest["train_state"]
+    return None, {}
+
+
+def _holder_pid(directory):
+    """The main process of this user's run holding `directory` on this host, or the message saying why there is
+    none. Only a process that holds the directory's lock open is a run on it (_holds)."""
+    locks = _own_locks(directory)
+    if not locks:
+        return None, (f"no run holds {directory} ({os.path.join(directory, LOCK)} is missing or not a lock a run of "
+                      f"this user's writes): it has ended, or it never started there")
+    seen = []
+    for lock, fields in locks:
+        pid, host, job = fields.get("pid"), fields.get("host"), fields.get("job")
+        if type(pid) is not int or pid < 1 or not isinstance(host, str):
+            seen.append(f"{lock} is not a lock a run writes")
+        elif host != socket.gethostname():
+            return None, f"the run holding {directory} runs on {host} (pid {pid}): run this command there"
+        elif isinstance(job, str):
+            return None, (f"the run holding {directory} is Slurm job {job}: stop it with scancel --signal=TERM --full "
+                          f"{job} (the job's templates then requeue it)")
+        elif not alive(pid):
+            seen.append(f"{lock} names pid {pid}, which has ended: that run ended without releasing its lock (the "
+                        f"next run takes it over)")
+        elif (holds := _holds(pid, lock)) is None:
+            seen.append(f"{lock} names pid {pid}, which is alive but that this user cannot look into (permission "
+                        f"denied in /proc/{pid}): not signalled; if it is your run, stop it with kill -TERM {pid}")
+        elif not holds:
+            seen.append(f"{lock} names pid {pid}, which is alive but does not hold that lock: it is no run on "
+                        f"{directory} (the run ended and another process has its number)")
+        else:
+            return pid, None
+    return None, "; ".join(seen)
+
+
+def _wait(pid, seconds):
+    """Whether process `pid` ended within `seconds`."""
+    end = time.monotonic() + seconds
+    while alive(pid):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def stop_run(argv=None):
+    """The command: stop the run holding a checkpoint directory, wait until it has ended, return its exit code."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="stop.py", description="Stop the run that holds CHECKPOINT_DIR with a checkpoint, as its first line "
+        "says: it finishes its step, every rank saves, and it exits. Exits 75 once that checkpoint is saved (run "
+        "the run's command again to resume), 0 if the run finished first, 1 if it ended without saving or is still "
+        "running after --wait, 2 if no run of this user's on this host holds the directory.")
+    parser.add_argument("checkpoint_dir", help="the run's --checkpoint-dir")
+    parser.add_argument("--wait", type=float, default=WAIT_S, help="seconds to wait for the run to save and end")
+    args = parser.parse_args(argv)
+    directory = args.checkpoint_dir
+    pid, problem = _holder_pid(directory)
+    if problem:
+        print(f"stop.py: error: {problem}", file=sys.stderr, flush=True)
+        return 2
+    cwd, (before, _) = os.readlink(f"/proc/{pid}/cwd"), _newest_state(directory)
+    signalled = time.time()
+    os.kill(pid, signal.SIGTERM)
+    print(f"stopping the run on {directory} (pid {pid}): it finishes its step, saves a checkpoint and exits",
+          flush=True)
+    if not _wait(pid, args.wait):
+        print(f"stop.py: error: pid {pid} is still running {args.wait:g} s after SIGTERM (a long step or save, or "
+              f"it does not act on the signal): wait longer (--wait), or look at its output", file=sys.stderr,
+              flush=True)
+        return 1
+    return _outcome(directory, pid, before, cwd, signalled)
+
+
+def _outcome(directory, pid, before, cwd, signalled):
+    """The exit code and line once the run has ended: 75 for a checkpoint saved for this stop (newer than `before`,
+    the newest when it was signalled), 0 for a run that finished first, 1 otherwise."""
+    path, state = _newest_state(directory)
+    if state.get("stopped") is True and path != before:  # saved for this stop, not an earlier one
+        print(f"stopped after step {state.get('step')}: checkpoint {path}; run the training command again to resume "
+              f"(exit code {EXIT_STOPPED})", flush=True)
+        return EXIT_STOPPED
+    summary = os.path.join(cwd, str(state.get("output_dir") or ""), "summary.json")
+    if state and os.path.isfile(summary) and os.path.getmtime(summary) >= signalled:
+        print(f"the run had finished before it could stop: its results are in {os.path.dirname(summary)}", flush=True)
+        return 0
+    print(f"stop.py: error: pid {pid} ended without saving a checkpoint for the stop (its own output says why; a "
+          f"run stopped before its first step has nothing to save); the newest checkpoint in {directory} is "
+          f"{path or 'none'}", file=sys.stderr, flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(stop_run())

@@ -1,0 +1,40 @@
+"""A directory's files checked as a run checks a held checkpoint's (runkit.checkpoint.held), for the tests that need
+no launch: shared by test_integrity.py and test_hostile_checkpoint_dir.py. The run itself never calls these."""
+
+import os
+import sys
+
+from launching import REPO
+
+sys.path.insert(0, str(REPO / "recipes"))
+from runkit.checkpoint.files import digest  # noqa: E402
+from runkit.checkpoint.held import HeldCheckpoint  # noqa: E402
+from runkit.checkpoint.untrusted import RefusedFile  # noqa: E402
+
+
+def check_loadable(root, rels, files=None):
+    """None, or why one of `rels` under root cannot be loaded as weights only, or reaches beyond `files` (a
+    manifest's table; default: rels at whatever size they have). HeldCheckpoint.loadable on a directory."""
+    files = files or {rel: {"size": None} for rel in rels}
+    with HeldCheckpoint(str(root), files) as held:
+        try:
+            held.hold()
+        except RefusedFile as exc:
+            return str(exc)
+        if files and any(want.get("size") is None for want in files.values()):  # sizes the storage check needs
+            held.files = {rel: {**want, "size": os.fstat(held.held[rel].fileno()).st_size}
+                          for rel, want in files.items()}
+        return held.loadable(rels)
+
+
+def check_files(root, expected):
+    """None, or what is wrong with the first of `expected` ({rel: {size, sha256}}) that does not match."""
+    with HeldCheckpoint(str(root), expected) as held:
+        try:
+            held.hold()
+        except RefusedFile as exc:
+            return str(exc)
+        for rel, want in sorted(expected.items()):
+            if digest(held.held[rel].fileno(), want["size"]) != (want["size"], want["sha256"]):
+                return f"{rel} does not match its recorded size and checksum (truncated or overwritten)"
+    return None
