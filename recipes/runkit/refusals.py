@@ -15,9 +15,9 @@ import sys
 import torch
 from accelerate.utils import DistributedType
 
+from .checkpoint.rules import processes_hint
 from .engines import deepspeed_config, engine_facts
 from .exits import fail, report
-from .checkpoint.rules import processes_hint
 
 ON_A_CPU = "docs/configs.md, 'On a CPU'"
 CPU_HINT = ("To run several processes on a CPU-only machine, set ACCELERATE_USE_CPU=1 for DDP configs; "
