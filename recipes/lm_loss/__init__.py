@@ -1,0 +1,1 @@
+"""The next-token loss of a Hugging Face causal LM, computed through its output layer in chunks (chunked.py)."""
