@@ -327,7 +327,8 @@ def main(argv=None):
     # None: the model builds its own masks; under sequence parallelism the attention Ulysses wraps (no mask)
     attention = sp.attention if sp.on else attention_implementation(config, args.block_size)
     model, dtype = load_model(args, run, accelerator.mixed_precision, attention)
-    head = install(model, args.loss_chunks)  # the loss in chunks through the output layer, or None: the plain loss
+    compiled = accelerator.state.dynamo_plugin.backend.value != "NO"  # *_compile.yaml: one graph, the plain loss
+    head = install(model, args.loss_chunks, compiled)  # the loss in chunks through the output layer, or None
     zero3_lora_note(args, run, accelerator, n_params, dtype)
     # LoRA's checkpoints and adapter hold no base weights: they go with the base they adapt (resume_rules.py)
     base = {"base_weights": base_fingerprint(args.model)} if args.lora_r else {}

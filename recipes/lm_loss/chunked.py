@@ -13,7 +13,7 @@ states, and nothing else. install() gives that one module a forward of its own, 
 left on it just before the model's call (a job, consumed by that call) and returns, instead of logits, the loss of
 each kept position. Every engine then runs the output layer as it runs it for the plain loss: inside the model's
 forward, where ZeRO-3 gathers its weight and FSDP2 unshards it, behind DDP's and PEFT's wrappers; compiled models
-run it eagerly (torch.compiler.disable: the kept positions' count changes from batch to batch). Without a job
+keep the plain loss (install: one graph cannot hold a count that changes from batch to batch). Without a job
 (generation, the greedy answer) the layer computes logits as before. A model whose forward changes the logits
 after the output layer (Gemma's soft-capping, Cohere's logit scale) keeps the plain loss (plain_head).
 
@@ -73,10 +73,12 @@ def plain_head(model):
     return bool(PLAIN_HEAD.search(source)) and isinstance(getattr(base, "lm_head", None), torch.nn.Linear)
 
 
-def install(model, chunks):
+def install(model, chunks, compiled=False):
     """Give the model's output layer the chunked loss (see the module's docstring); returns that layer, or None
-    where the plain loss stays (chunks 1, or not plain_head). Call before prepare()."""
-    if chunks <= 1 or not plain_head(model):
+    where the plain loss stays: chunks 1, not plain_head, or compiled (the *_compile.yaml configs compile the model
+    as one graph, fullgraph, and the kept positions' count, different in each batch, would break it). Call before
+    prepare()."""
+    if chunks <= 1 or compiled or not plain_head(model):
         return None
     head = model.get_output_embeddings()
     head.loss_chunks = chunks
@@ -105,7 +107,6 @@ def token_losses(model, inputs, targets, head=None, count=None):
     return losses.index_add(0, sequence, per_position), kept.sum(dim=1)
 
 
-@torch.compiler.disable
 def _head_forward(head, hidden):
     """The output layer's forward once installed: logits without a job; with one, each kept position's loss."""
     job = head.__dict__.pop("_loss_job", None)
