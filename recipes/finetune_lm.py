@@ -35,7 +35,9 @@ adapters with fp32 weights computing in the compute dtype, alone in the optimize
 (under ZeRO-3 on GPUs that hold the frozen base, a note names the faster configs); OUTPUT_DIR/adapter in
 PEFT's format, --merge-lora also OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2.
 The default OUTPUT_DIR is runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA and -padded for
---no-packing.
+--no-packing. The loss goes through the output layer in --loss-chunks chunks (default 8; lm_loss/chunked.py), the
+positions outside it dropped first: the [tokens x vocabulary] logits never exist whole. Under
+deepspeed_zero3_sp2.yaml two processes share each sequence (Ulysses; sequence_parallel/ulysses.py, --no-packing).
 
 Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
 fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3
@@ -58,7 +60,7 @@ import sys
 from datetime import timedelta
 
 from finetune_data.examples import add_data_args
-from lm_loss.chunked import add_loss_args
+from lm_loss.flags import add_loss_args
 from lora.adapters import add_lora_args, flags_without_rank
 from runkit import add_run_args
 from runkit.flags import DefaultOnce
@@ -84,7 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (0: no clipping)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
-    add_loss_args(p)  # --loss-chunks (lm_loss/chunked.py)
+    add_loss_args(p)  # --loss-chunks (lm_loss/flags.py, lm_loss/chunked.py)
     add_lora_args(p)  # --lora-r and the adapters' settings (lora/adapters.py); OUTPUT_DIR gets -lora-r<R>
     p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=10,

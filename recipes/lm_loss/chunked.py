@@ -32,21 +32,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import default_collate
 
+from .flags import DEFAULT_CHUNKS  # noqa: F401  (the default, with its reason)
+
 IGNORE = -100  # finetune_data/packing.py's: a position that is not in the loss (cross_entropy's ignore_index)
-# 8, as torchtune's default: the peak logits are an eighth of the whole (and their gradient), while each chunk's
-# matmul keeps thousands of rows at long context; at 32k tokens and Llama's 128k vocabulary one chunk is 2.1 GB
-# in fp32 where the whole was 16.8 GB (42 GB with bf16 logits and the gradient).
-DEFAULT_CHUNKS = 8
 LOSS_COUNT = "loss_count"  # the batch key with_loss_count adds: the batch's loss positions, a Python int
 # The CausalLM forwards whose logits are the output layer's, unchanged: the loss is then computed in it.
 PLAIN_HEAD = re.compile(r"logits = self\.lm_head\(hidden_states[^\n]*\)\s*\n\s*(loss = None|if labels is not None)")
-
-
-def add_loss_args(parser):
-    parser.add_argument("--loss-chunks", type=int, default=DEFAULT_CHUNKS,
-                        help="the loss through the output layer in N chunks, the positions outside the loss dropped "
-                             "first: the [tokens x vocabulary] logits never exist whole (1: the plain loss, every "
-                             "position's logits at once)")
 
 
 def next_token_targets(labels):
