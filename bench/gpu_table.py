@@ -87,9 +87,11 @@ PARTS = [
     Part("finetune-lora-zero3", ("--recipe", "finetune_lm", "--configs", "deepspeed_zero3.yaml", "--steps", "20",
                                  "--recipe-args", f"{FINETUNE} {LORA} --packing"),
          "LoRA r 16 under ZeRO-3 on one process: ZeRO-3 LoRA / LoRA without an engine (1gpu.yaml)", 60, first=True),
-    # The places of the fine-tune parts to come: give them their arguments when the recipe has the flag.
-    Part("finetune-chunked-loss", (), "the full fine-tune with the loss computed in chunks: peak memory, tokens/s",
-         first=True, missing="recipes/finetune_lm.py has no chunked loss yet"),
+    Part("finetune-chunked-loss", ("--recipe", "finetune_lm", "--configs", EAGER, "--steps", "20",
+                                   "--recipe-args", f"{FINETUNE} --packing --loss-chunks 1"),
+         "the full fine-tune with the plain loss (--loss-chunks 1): peak memory and tokens/s against finetune-full's "
+         "default, the loss in 8 chunks", 35, first=True),
+    # The place of the fine-tune part to come: give it its arguments when the recipe has the flag.
     Part("finetune-qlora", (), "LoRA on 4-bit frozen weights (bitsandbytes, carried in .gpu/w): peak memory, "
          "tokens/s against LoRA", first=True, missing="recipes/finetune_lm.py has no QLoRA yet"),
     Part("gpt", ("--recipe", "gpt", "--preset", "124M", "--configs", *FULL, "--steps", "60"),

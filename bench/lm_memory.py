@@ -18,7 +18,8 @@ base is frozen in bf16, 2 bytes per parameter (DDP: on every GPU; ZeRO-3, FSDP2:
 adapters take what a full fine-tune takes per parameter, on n instead of N (about 0.5% of N at r 16).
 Activations per token, bf16, flash attention (no T x T matrix): per layer about 24 d + 8 i bytes (the
 norms' fp32 copies, q/k/v, the attention output, the MLP's four i-wide tensors), plus the logits
-(bf16, their fp32 copy and its gradient: 10 V bytes). With gradient checkpointing only each layer's
+(bf16, their fp32 copy and its gradient: 10 V bytes; with the loss in N chunks, --loss-chunks, one chunk's:
+10 V / N, every position counted as in the loss, the worst case). With gradient checkpointing only each layer's
 input (2 d bytes) stays, plus one layer recomputed at a time. LoRA adds, per layer, the dropped-out
 copy of each adapted layer's input and its mask (3 bytes per element: 6 d + i elements per token,
 none with --lora-dropout 0), and the adapters' r-wide outputs (negligible).
@@ -42,6 +43,8 @@ MODELS = {
                                         num_attention_heads=40, num_key_value_heads=8, vocab_size=152064)),
     "Qwen2.5-32B": ("Qwen2Config", dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
                                         num_attention_heads=40, num_key_value_heads=8, vocab_size=152064)),
+    "Llama-3.1-70B": ("LlamaConfig", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)),
 }
 ENGINES = ("DDP", "ZeRO-2", "ZeRO-3", "ZeRO-3+off", "FSDP2")
 LORA_ENGINES = ("DDP", "ZeRO-3", "FSDP2")
@@ -65,7 +68,7 @@ def adapter_parameters(shape, r):
 def rows(gpus=2, gpu_gb=80.0, tokens=4096, lora_r=0):
     """(name, parameters, {engine: model-state GB per GPU}, activation GB without/with checkpointing, fits).
     With lora_r: LoRA's, for LORA_ENGINES."""
-    for name in MODELS:
+    for name in list(MODELS)[:5]:  # the table of before: up to 32B
         n, s = parameters(name)
         d, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
         states = {"DDP": 20 * n, "ZeRO-2": (2 + 14 / gpus) * n, "ZeRO-3": 16 / gpus * n, "ZeRO-3+off": 0.0,
@@ -98,13 +101,85 @@ def table(gpus=2, gpu_gb=80.0, tokens=4096, lora_r=0):
     return "\n".join(lines)
 
 
+# The jobs of docs/recipes.md's long-context table (--jobs): every job with --gradient-checkpointing and the loss in
+# DEFAULT_CHUNKS chunks, one sequence per data-parallel rank. QLoRA's base: NF4 with double quantisation, 4 bits plus
+# an 8-bit scale per 64 weights plus an fp32 scale per 256 of those (0.516 bytes per weight) on the decoder's linear
+# layers; the embedding, the output layer and the norms stay bf16.
+DEFAULT_CHUNKS = 8
+NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
+JOB_MODELS = {"8B": "Llama-3.1-8B", "14B": "Qwen2.5-14B", "32B": "Qwen2.5-32B", "70B": "Llama-3.1-70B"}
+JOBS = ("full", "LoRA", "QLoRA")
+LENGTHS = (2048, 8192, 32768)
+SHARDED = {"fsdp": "accelerate_configs/fsdp.yaml", "sp2": "accelerate_configs/deepspeed_zero3_sp2.yaml"}
+
+
+def job_parts(name, job, length, sp=1, gpus=2, chunks=DEFAULT_CHUNKS, lora_r=16):
+    """GB per GPU of one job with the states sharded over `gpus` (FSDP2 or ZeRO-3, bf16 compute) and one sequence of
+    `length` tokens per data-parallel rank, `sp` GPUs sharing it: {model states, the bf16 layers gathered (the one
+    computing and the one prefetched), layer activations with gradient checkpointing, logits}."""
+    n, s = parameters(name)
+    return shape_parts(n, s, job, length, sp, gpus, chunks, lora_r)
+
+
+def shape_parts(n, s, job, length, sp=1, gpus=2, chunks=DEFAULT_CHUNKS, lora_r=16):
+    """job_parts for a model of n parameters and the shape s (a config's hidden_size, intermediate_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size): the GPU pack's tiny model too."""
+    d, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
+    a = adapter_parameters(s, lora_r)
+    kv = d // s["num_attention_heads"] * s["num_key_value_heads"]
+    linear = layers * (2 * d * d + 2 * d * kv + 3 * d * i)  # the decoder's linear layers: what 4-bit quantises
+    per_layer = linear // layers
+    states = {"full": 16 * n, "LoRA": 2 * n + 16 * a, "QLoRA": NF4_BYTES * linear + 2 * (n - linear) + 16 * a}[job]
+    gathered = 2 * per_layer * (NF4_BYTES if job == "QLoRA" else 2)
+    tokens = length / sp
+    activations = layers * 2 * d * tokens + (24 * d + 8 * i) * tokens
+    logits = 10 * vocab * tokens / chunks
+    return {"model states": states / gpus / 1e9, "gathered layers": gathered / 1e9,
+            "activations": activations / 1e9, "logits": logits / 1e9}
+
+
+def job_plan(size, job, length, gpus=2, gpu_gb=80.0):
+    """(config key or None, parts of the first way that fits, or of the last tried when none does): the 2 GPUs as
+    data-parallel FSDP2 ranks, one sequence each; else both on one sequence (Ulysses, sp 2)."""
+    for key, sp in (("fsdp", 1), ("sp2", 2)):
+        parts = job_parts(JOB_MODELS[size], job, length, sp, gpus)
+        if sum(parts.values()) < gpu_gb:
+            return key, parts
+    return None, parts
+
+
+def jobs_table(gpus=2, gpu_gb=80.0):
+    """docs/recipes.md's table: for each model, job and length, the config and flags that fit (GB per GPU), or the
+    part that breaks the budget (the largest), with the GB per GPU. QLoRA's rows are the planner's alone."""
+    lines = [f"| job | {' | '.join(f'{n // 1024}k tokens' for n in LENGTHS)} |", "|---|---|---|---|"]
+    for size in JOB_MODELS:
+        for job in JOBS:
+            cells = []
+            for length in LENGTHS:
+                key, parts = job_plan(size, job, length, gpus, gpu_gb)
+                total = sum(parts.values())
+                if key:
+                    flags = "--batch-size 2" if key == "fsdp" else "--batch-size 1 --no-packing"
+                    cells.append(f"{total:.0f} GB: `{SHARDED[key].split('/')[-1]} --block-size {length} {flags}`")
+                else:
+                    worst = max(parts, key=parts.get)
+                    cells.append(f"**no** ({total:.0f} GB): {worst} {parts[worst]:.1f} GB")
+            lines.append(f"| {size} {job} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpus", type=int, default=2, help="GPUs sharing the model states")
     p.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU")
     p.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per micro-batch per GPU (batch x length)")
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank of the second table (0: no LoRA table)")
+    p.add_argument("--jobs", action="store_true",
+                   help="instead: the long-context table (8B to 70B, full / LoRA / QLoRA, 2k / 8k / 32k tokens)")
     a = p.parse_args()
+    if a.jobs:
+        print(jobs_table(a.gpus, a.gpu_gb))
+        raise SystemExit(0)
     print(table(a.gpus, a.gpu_gb, a.tokens_per_gpu))
     if a.lora_r:
         print()

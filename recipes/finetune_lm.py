@@ -35,7 +35,9 @@ adapters with fp32 weights computing in the compute dtype, alone in the optimize
 (under ZeRO-3 on GPUs that hold the frozen base, a note names the faster configs); OUTPUT_DIR/adapter in
 PEFT's format, --merge-lora also OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2.
 The default OUTPUT_DIR is runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA and -padded for
---no-packing.
+--no-packing. The loss goes through the output layer in --loss-chunks chunks (default 8; lm_loss/chunked.py), the
+positions outside it dropped first: the [tokens x vocabulary] logits never exist whole. Under
+deepspeed_zero3_sp2.yaml two processes share each sequence (Ulysses; sequence_parallel/ulysses.py, --no-packing).
 
 Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
 fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3
@@ -58,6 +60,7 @@ import sys
 from datetime import timedelta
 
 from finetune_data.examples import add_data_args
+from lm_loss.flags import add_loss_args
 from lora.adapters import add_lora_args, flags_without_rank
 from runkit import add_run_args
 from runkit.flags import DefaultOnce
@@ -83,6 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (0: no clipping)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
+    add_loss_args(p)  # --loss-chunks (lm_loss/flags.py, lm_loss/chunked.py)
     add_lora_args(p)  # --lora-r and the adapters' settings (lora/adapters.py); OUTPUT_DIR gets -lora-r<R>
     p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=10,
@@ -122,11 +126,13 @@ from torch.utils.data import DataLoader
 
 from finetune_data.examples import IGNORE, DataProblem, cut_note, load_examples
 from finetune_data.packing import attention_implementation, block_causal_mask, blocks_note
+from lm_loss.chunked import install, token_losses, with_loss_count
 from lora.adapters import merge_adapters
 from pretrained.loading import load_config_and_tokenizer, load_model, zero3_lora_note
 from pretrained.weights import base_fingerprint, record_base
 from runkit import Run
 from runkit.engines import run_label
+from sequence_parallel.ulysses import SequenceParallel, host_count, in_loss, loss_targets
 
 
 def default_output_dir(args, accelerator):
@@ -143,6 +149,13 @@ def check_block_size(args, config, run):
         args.block_size = min(1024, context or 1024)
     if context and args.block_size > context:
         run.fail(f"--block-size {args.block_size} is longer than {args.model}'s context of {context} tokens; give less")
+
+
+def check_sequence_parallel(sp, args, config, accelerator, run):
+    """Under sequence parallelism (sequence_parallel/ulysses.py): refuse, before data or model loads, what it cannot
+    train (one line that says what to do)."""
+    if problem := sp.problem(args, config, args.batch_size, args.grad_accum, accelerator.num_processes):
+        run.fail(problem)
 
 
 def load_data(args, run, accelerator, tokenizer):
@@ -179,6 +192,16 @@ def warmup_cosine(optimizer, args):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+def prepare(accelerator, sp, micro, model, optimizer, train_loader, val_loader, scheduler):
+    """accelerator.prepare() of them all; under sequence parallelism the loaders split by sequence-parallel group
+    (sequence_parallel/ulysses.py) and kept out of prepare(), which would wrap them in DeepSpeed's own adapter."""
+    if sp.on:
+        train_loader, val_loader = sp.prepare_loaders(train_loader, val_loader, accelerator, micro)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)  # accelerate
+        return model, optimizer, train_loader, val_loader, scheduler
+    return accelerator.prepare(model, optimizer, train_loader, val_loader, scheduler)  # accelerate
+
+
 def flops_per_token(config, n_params, trained, args, span):
     """6 per weight in a matmul (the input embedding is a lookup) plus attention's 12 L d T, with T the
     token-weighted length of what a token attends over (an example's, when examples are kept apart; the block,
@@ -189,12 +212,12 @@ def flops_per_token(config, n_params, trained, args, span):
     return matmul + 12 * config.num_hidden_layers * config.hidden_size * span
 
 
-def token_losses(logits, labels):
-    """Each sequence's summed next-token loss over the positions whose label is not IGNORE, and how many
-    such positions it has (fp32, as Hugging Face computes it)."""
-    losses = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], ignore_index=IGNORE,
-                             reduction="none")
-    return losses.sum(dim=1), (labels[:, 1:] != IGNORE).sum(dim=1)
+def forward_losses(model, batch, given_mask, head):
+    """The forward and the loss: each sequence's summed next-token loss over its positions whose target is not
+    IGNORE, and how many it has (fp32, as Hugging Face computes it). head: the output layer computing the loss in
+    chunks (lm_loss/chunked.py), or None for the plain loss. Under sequence parallelism a batch is this rank's slice
+    of each sequence, with its targets (sequence_parallel/ulysses.py)."""
+    return token_losses(model, model_inputs(batch, given_mask), loss_targets(batch), head, host_count(batch))
 
 
 def model_inputs(batch, given_mask):
@@ -214,20 +237,20 @@ def with_step_tokens(batches, accelerator, grad_accum):
     step on every rank. One small all-reduce per step, left on the device (no wait for the GPU)."""
     batches = iter(batches)
     while step := list(itertools.islice(batches, grad_accum)):
-        tokens = sum((batch["labels"][:, 1:] != IGNORE).sum() for batch in step)
+        tokens = sum(in_loss(batch) for batch in step)
         tokens = accelerator.reduce(tokens, "sum").clamp(min=1)  # accelerate
         for batch in step:
             yield batch, tokens
 
 
-def evaluate(model, loader, accelerator, given_mask):
+def evaluate(model, loader, accelerator, given_mask, head):
     """Mean next-token loss per loss token over the held-out examples in the loader: the training loss's
     definition."""
     model.eval()
     total = count = 0
     with torch.no_grad():
         for batch in loader:
-            losses, tokens = token_losses(model(**model_inputs(batch, given_mask)).logits, batch["labels"])
+            losses, tokens = forward_losses(model, batch, given_mask, head)
             # accelerate: drops the examples repeated to fill the last batch
             losses, tokens = accelerator.gather_for_metrics((losses, tokens))
             total, count = total + losses.sum(), count + tokens.sum()
@@ -292,39 +315,49 @@ def main(argv=None):
         # non_blocking with pinned batches: the copy to the GPU is queued, the host does not wait for the GPU
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, non_blocking=True))
     run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm,
-              default_output_dir=default_output_dir(args, accelerator))
+              default_output_dir=default_output_dir(args, accelerator), sequence_parallel=True)
     set_seed(args.seed)
     if error:
         run.fail(error)
     check_block_size(args, config, run)
+    sp = SequenceParallel.of(accelerator)  # Ulysses: each sequence split over a group of processes (or off)
+    check_sequence_parallel(sp, args, config, accelerator, run)
     run.check_whole_model_fits(n_params)  # ZeRO-3 without zero3_init_flag loads it whole on every process
     data = load_data(args, run, accelerator, tokenizer)
-    attention = attention_implementation(config, args.block_size)  # None: the model builds its own masks
+    if sp.on and data.facts["packing"]:
+        run.fail(sp.packing_problem())
+    # None: the model builds its own masks; under sequence parallelism the attention Ulysses wraps (no mask)
+    attention = sp.attention if sp.on else attention_implementation(config, args.block_size)
     model, dtype = load_model(args, run, accelerator.mixed_precision, attention)
+    compiled = accelerator.state.dynamo_plugin.backend.value != "NO"  # *_compile.yaml: one graph, the plain loss
+    head = install(model, args.loss_chunks, compiled)  # the loss in chunks through the output layer, or None
     zero3_lora_note(args, run, accelerator, n_params, dtype)
-    # LoRA's checkpoints and adapter hold no base weights: they go with the base they adapt (resume_rules.py)
+    # LoRA's checkpoints and adapter hold no base weights: they go with the base they adapt (checkpoint/rules.py)
     base = {"base_weights": base_fingerprint(args.model)} if args.lora_r else {}
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     trained = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)  # ZeRO-3: the whole parameter's size
     micro = args.batch_size // args.grad_accum
     pin = accelerator.device.type == "cuda"
-    train_loader = DataLoader(data.train, batch_size=micro, shuffle=True, drop_last=True, pin_memory=pin)
-    # The evaluated examples, read to the end; accelerate fills a short last batch: shapes stay static
-    val_loader = DataLoader(data.validation, batch_size=micro, pin_memory=pin)
+    # with_loss_count: each batch's loss positions counted on the CPU (the chunked loss keeps that many, no host wait)
+    train_loader = DataLoader(data.train, batch_size=micro, shuffle=True, drop_last=True, pin_memory=pin,
+                              collate_fn=with_loss_count)
+    # The evaluated examples, read to the end; accelerate fills a short last batch: shapes stay static. Under
+    # sequence parallelism whole sequences, split over all processes (a group's worth per micro-batch).
+    val_loader = DataLoader(data.validation, batch_size=micro * sp.size, pin_memory=pin, collate_fn=with_loss_count)
     optimizer = adamw(trainable, args)
     steps_per_epoch = len(train_loader) // args.grad_accum
     if steps_per_epoch == 0:
         run.fail(f"{len(data.train)} training blocks ({data.facts['train_examples']} examples) do not fill one "
                  f"global batch of {args.batch_size}")
     scheduler = warmup_cosine(optimizer, args)
-    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(  # accelerate
-        model, optimizer, train_loader, val_loader, scheduler)
-    given_mask, facts = attention is not None, data.facts
+    model, optimizer, train_loader, val_loader, scheduler = prepare(
+        accelerator, sp, micro, model, optimizer, train_loader, val_loader, scheduler)
+    given_mask, facts = attention is not None and not sp.on, data.facts
     # tokens/s and MFU count real tokens: a block's mean of them, not its positions
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=args.max_steps,
               units_per_sample=facts["real_tokens_per_block"], peak_tflops=args.peak_tflops,
               flops_per_unit=flops_per_token(config, n_params, trained, args, facts["attention_span"]),
-              eval_every=args.eval_every, evaluate=lambda: evaluate(model, val_loader, accelerator, given_mask),
+              eval_every=args.eval_every, evaluate=lambda: evaluate(model, val_loader, accelerator, given_mask, head),
               describe=f"{args.model}: {n_params / 1e6:.3g} M parameters | {data.format}: {data.source}, "
                        f"{blocks_note(facts, data.format, args.block_size)}, {100 * facts['loss_positions_share']:.0f}%"
                        f" of positions in the loss{cut_note(data.cuts, data.format, args.block_size)}",
@@ -333,12 +366,14 @@ def main(argv=None):
 
     # The loss is the mean over every loss token of the optimizer step, whatever the micro-batch and the rank:
     # each micro-batch's summed loss over the step's token count, times what backward() then divides by
-    # (the micro-batches per step, and the processes whose gradients are averaged).
+    # (the micro-batches per step, and the processes whose gradients are averaged; under sequence parallelism
+    # each rank's slice of the sequences: sequence_parallel/ulysses.py).
     undo_means = accelerator.num_processes * args.grad_accum
+    model.train()  # from_pretrained returns the model in eval mode: dropout off, and Ulysses bypassed (disable_in_eval)
     for batches in run.epochs(train_loader):  # resumes mid-epoch; checkpoints at each epoch's end
-        for batch, step_tokens in with_step_tokens(batches, accelerator, args.grad_accum):
+        for batch, step_tokens in with_step_tokens(map(sp.shard, batches), accelerator, args.grad_accum):
             with accelerator.accumulate(model):  # accelerate
-                losses, _ = token_losses(model(**model_inputs(batch, given_mask)).logits, batch["labels"])
+                losses, _ = forward_losses(model, batch, given_mask, head)
                 loss = losses.sum() * undo_means / step_tokens
                 accelerator.backward(loss)  # accelerate
                 if accelerator.sync_gradients and args.max_grad_norm > 0:  # accelerate

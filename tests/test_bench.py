@@ -269,8 +269,8 @@ def gpu_table_modules():
 
 
 INPUTS = {"images": "/in/images", "llama": "/in/llama", "chats": "/in/chats.jsonl"}
-TABLE = ["finetune-full", "finetune-lora", "finetune-padded", "finetune-lora-zero3", "gpt", "mnist", "resnet",
-         "zero2-overlap", "fsdp-units"]
+TABLE = ["finetune-full", "finetune-lora", "finetune-padded", "finetune-lora-zero3", "finetune-chunked-loss", "gpt",
+         "mnist", "resnet", "zero2-overlap", "fsdp-units"]
 
 
 def test_gpu_table_plans_every_comparison(tmp_path):
@@ -293,7 +293,7 @@ def test_gpu_table_plans_every_comparison(tmp_path):
         assert configs[gpus, "mnist"] == configs[gpus, "gpt"] == configs[gpus, "resnet"] == ["1gpu.yaml",
                                                                                               "1gpu_compile.yaml"]
         assert configs[gpus, "finetune-full"] == configs[gpus, "finetune-lora"] == ["1gpu.yaml", "1gpu_compile.yaml"]
-        assert configs[gpus, "finetune-padded"] == ["1gpu.yaml"]
+        assert configs[gpus, "finetune-padded"] == configs[gpus, "finetune-chunked-loss"] == ["1gpu.yaml"]
         assert configs[gpus, "finetune-lora-zero3"] == ["deepspeed_zero3.yaml"]
     assert configs[2, "zero2-overlap"] == ["deepspeed_zero2.yaml", "deepspeed_zero2.yaml+no-overlap"]
     assert configs[2, "fsdp-units"] == ["fsdp.yaml", "fsdp.yaml+one-unit"]
@@ -315,7 +315,7 @@ def test_gpu_table_plans_every_comparison(tmp_path):
         == 989
     assert [p.folder for p in gpu_table.selected(["fsdp-units", "gpt"])] == ["gpt", "fsdp-units"]  # PARTS' order
     # the parts to come are listed, never run: no command, whatever the machine
-    assert [p.folder for p in gpu_table.PARTS if p.missing] == ["finetune-chunked-loss", "finetune-qlora"]
+    assert [p.folder for p in gpu_table.PARTS if p.missing] == ["finetune-qlora"]
     with pytest.raises(ValueError, match="no such part: nope"):
         gpu_table.selected(["nope"])
 

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from launching import CONFIG_DIR, CONFIG_FILES, REPO
+from launching import CONFIG_DIR, REPO, YAML_FILES
 
 sys.path.insert(0, str(REPO / "launch"))
 import check_config  # noqa: E402
 import slurm_launch  # noqa: E402
 
 
-@pytest.mark.parametrize("config", CONFIG_FILES)
+@pytest.mark.parametrize("config", YAML_FILES)
 def test_every_shipped_config_passes(config):
     for recipe in ("recipes/mnist.py", "recipes/gpt.py", None):
         errors, notes = check_config.check(str(CONFIG_DIR / config), recipe)

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from launching import CONFIG_DIR, CONFIG_FILES, REPO, load_yaml
+from launching import CONFIG_DIR, CONFIG_FILES, REPO, YAML_FILES, load_yaml
 
 
 def test_the_promised_configs_exist():
@@ -19,7 +19,7 @@ def test_the_promised_configs_exist():
                                 "fsdp.yaml", "1gpu_compile.yaml", "2gpu_compile.yaml"}
 
 
-@pytest.mark.parametrize("config", CONFIG_FILES)
+@pytest.mark.parametrize("config", YAML_FILES)
 def test_config_parses_with_accelerates_loader(config):
     cfg = load_config_from_file(str(CONFIG_DIR / config))
     assert cfg.compute_environment.value == "LOCAL_MACHINE"
@@ -80,7 +80,7 @@ def test_the_first_line_says_where_deepspeeds_precision_comes_from():
         os.chdir(cwd)
 
 
-@pytest.mark.parametrize("config", CONFIG_FILES)
+@pytest.mark.parametrize("config", YAML_FILES)
 def test_every_key_has_a_comment(config):
     for line in (CONFIG_DIR / config).read_text().splitlines():
         if re.match(r"^\s*[A-Za-z_0-9]+:", line):
@@ -90,7 +90,7 @@ def test_every_key_has_a_comment(config):
 def test_no_config_overrides_the_gpus_slurm_assigned(tmp_path):
     """CUDA_VISIBLE_DEVICES (set by Slurm, or by the user) reaches the worker unchanged: no shipped config
     names its own GPU ids (1gpu.yaml once said '0' and took GPU 0 whatever Slurm had assigned)."""
-    assert all(load_yaml(c).get("gpu_ids", "all") == "all" for c in CONFIG_FILES)
+    assert all(load_yaml(c).get("gpu_ids", "all") == "all" for c in YAML_FILES)
     probe = tmp_path / "probe.py"
     probe.write_text("import os\nprint('visible=' + os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>'))\n")
     result = subprocess.run(["accelerate", "launch", "--config_file", str(CONFIG_DIR / "1gpu.yaml"), str(probe)],

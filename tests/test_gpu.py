@@ -7,6 +7,7 @@ Each launch checks what only a GPU shows:
     same steps (metrics.jsonl's train_time_s between two progress lines);
   * MFU lies between 0 and 1 (gpt.py, finetune_lm.py with --peak-tflops);
   * the peak device memory is reported (cuda_allocated, above zero);
+  * the chunked loss (finetune_lm's default) against the plain one, with the planner's figure in the log;
   * no host synchronisation in steady steps: tests/gpu_shim switches torch.cuda.set_sync_debug_mode("error")
     on between two progress lines, so an operation that makes the host wait for the GPU fails the run.
     Not under DeepSpeed: its optimizer step reads the gradient norm and the overflow flag on the host
@@ -188,6 +189,32 @@ def test_pi_times_the_computation_not_its_launch(tmp_path):
     assert returncode == 0, output[-4000:]
     [row] = LaunchResult(returncode, output, out).summary["results"]
     assert row["compute_seconds_per_rank"][0] >= 0.5 * row["seconds"], row
+
+
+def test_chunked_loss_on_one_gpu(tmp_path, gpu_data):
+    """The loss in 8 chunks (finetune_lm's default) against the plain loss (--loss-chunks 1) on one GPU: no host
+    synchronisation in steady steps (the kept positions are counted on the CPU: torch.nonzero_static), the same
+    losses to bf16's resolution; and bench/lm_memory.py's figure for this shape printed beside the run's
+    torch.cuda.max_memory_allocated (the summary's peak_memory_mb), for the pack's log."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import lm_memory
+    chunked = gpu_launch(tmp_path, "1gpu.yaml", "finetune_lm", gpu_data)
+    assert_gpu_run(chunked, "1gpu.yaml", "finetune_lm")
+    args, _ = recipe_args("finetune_lm", gpu_data)
+    plain_out = tmp_path / "plain"
+    cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / "1gpu.yaml"), "--main_process_port",
+           str(free_port()), "recipes/finetune_lm.py", "--output-dir", str(plain_out), *args, "--loss-chunks", "1"]
+    returncode, output = run_command(cmd, timeout=LAUNCH_S)
+    assert returncode == 0, output[-4000:]
+    plain = LaunchResult(returncode, output, plain_out)
+    assert [m["loss"] for m in chunked.metrics] == pytest.approx([m["loss"] for m in plain.metrics], rel=2e-2)
+    config = json.loads((gpu_data / "hf" / "model" / "config.json").read_text())
+    s = chunked.summary
+    tokens = s["args"]["batch_size"] * s["block_size"]
+    planned = lm_memory.shape_parts(s["param_elements"], config, "full", tokens, gpus=1)
+    print(f"planner {sum(planned.values()) * 1e3:.1f} MB ({planned}) beside max_memory_allocated "
+          f"{s['peak_memory_mb']:.1f} MB (chunked), {plain.summary['peak_memory_mb']:.1f} MB (plain)")
+    assert s["peak_memory_mb"] > 0 and plain.summary["peak_memory_mb"] > 0
 
 
 def test_pack_sees_the_gpu():

@@ -49,12 +49,21 @@ def deepspeed_config(accelerator):
     return plugin.deepspeed_config if plugin else {}
 
 
+def sequence_parallel_size(accelerator):
+    """Processes that share one sequence under DeepSpeed's Ulysses sequence parallelism (accelerate's
+    parallelism_config: sp_size, sp_backend deepspeed); 1 without it. They read the same data: the processes that
+    read different data are num_processes / this."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return config.sp_size if config is not None and config.sp_backend == "deepspeed" and config.sp_size > 1 else 1
+
+
 def engine_facts(accelerator):
     """What accelerate really set up, for the first log line, the summary and checkpoint layouts."""
     zero = deepspeed_config(accelerator).get("zero_optimization", {})
     return {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
             "mixed_precision": accelerator.mixed_precision, "deepspeed_stage": zero.get("stage"),
-            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)}
+            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None),
+            "sequence_parallel": sequence_parallel_size(accelerator)}
 
 
 def precision_source(facts, environ=os.environ):
@@ -77,7 +86,8 @@ def run_label(accelerator):
     e = engine_facts(accelerator)
     engine = {DistributedType.NO: "", DistributedType.DEEPSPEED: f"zero{e['deepspeed_stage']}",
               DistributedType.FSDP: "fsdp"}.get(accelerator.distributed_type, "ddp")
-    parts = [engine, "offload" if e["offload_optimizer"] else "", f"{e['world_size']}proc",
+    parts = [engine, "offload" if e["offload_optimizer"] else "", f"sp{e['sequence_parallel']}" if
+             e["sequence_parallel"] > 1 else "", f"{e['world_size']}proc",
              "" if e["mixed_precision"] == "no" else e["mixed_precision"]]
     dynamo = accelerator.state.dynamo_plugin
     if dynamo is not None and dynamo.backend.value != "NO":

@@ -5,7 +5,8 @@ Owns the checks that end a run at start-up:
     set-up would fail a minute later), and a DeepSpeed or FSDP config on a machine without a GPU that is not on the
     CPU route (DeepSpeed would first compile a CPU op for minutes, then every process would train alone);
   * processes that would each train alone, or without the engine the config asked for;
-  * a global batch that does not split evenly over processes and accumulation steps;
+  * a global batch that does not split evenly over processes (under sequence parallelism: groups of them) and
+    accumulation steps, and a config with sequence parallelism for a recipe that has no use for it;
   * a DeepSpeed config that contradicts the flags, and optimizer offload under an SGD recipe.
 """
 
@@ -16,7 +17,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from .checkpoint.rules import processes_hint
-from .engines import deepspeed_config, engine_facts
+from .engines import deepspeed_config, engine_facts, sequence_parallel_size
 from .exits import fail, report
 
 ON_A_CPU = "docs/configs.md, 'On a CPU'"
@@ -84,9 +85,21 @@ def check_launch(accelerator):
                               f"{accelerator.distributed_type.value}. {CPU_HINT}")
 
 
+def check_sequence_parallel(accelerator, supported):
+    """A config with sequence parallelism (parallelism_config_sp_size > 1) for a recipe that has no use for it:
+    DeepSpeed's Ulysses works on Hugging Face models only, and accelerate would stop in prepare() with a traceback."""
+    size = sequence_parallel_size(accelerator)
+    if size > 1 and not supported:
+        fail(accelerator, f"this recipe does not run under sequence parallelism (parallelism_config_sp_size {size} in "
+                          f"the config): it is finetune_lm.py's, for Hugging Face models. Use the config without it "
+                          f"(deepspeed_zero3.yaml)", everyone=True)
+
+
 def check_batch(accelerator, batch_size, grad_accum=1, eval_batch_size=None):
-    """The global batch of one optimizer step must split evenly over processes x accumulation steps."""
-    problem = batch_problem(accelerator.num_processes, batch_size, grad_accum, eval_batch_size)
+    """The global batch of one optimizer step must split evenly over the processes that read different data (all
+    of them, or under sequence parallelism each group of them) x accumulation steps."""
+    readers = accelerator.num_processes // sequence_parallel_size(accelerator)
+    problem = batch_problem(readers, batch_size, grad_accum, eval_batch_size)
     if problem:
         fail(accelerator, problem, everyone=True)
 

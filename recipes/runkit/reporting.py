@@ -237,7 +237,7 @@ def write_summary(output_dir, summary, shown=None):
     print(summary_line(summary, shown), flush=True)
 
 
-def shown(key, value):
+def as_figure(key, value):
     """One figure of a progress or evaluation line: an accuracy as a percentage, a float to 4 decimals."""
     name = key.replace("_", " ")
     if isinstance(value, float):
@@ -249,7 +249,7 @@ def progress_line(record, fields, total_steps, unit):
     """A progress line: the step, the loss and the recipe's own fields, the throughput (and MFU), and where a
     micro-batch's time went (timing.py's split)."""
     rate = record[f"{unit}_per_s" if unit == "tokens" else "samples_per_s"]
-    own = "".join(f" | {shown(k, v)}" for k, v in fields.items())
+    own = "".join(f" | {as_figure(k, v)}" for k, v in fields.items())
     mfu = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
     return (f"epoch {record['epoch']} step {record['step']}/{total_steps} | loss {record['loss']:.4f}{own} | "
             f"{rate:.0f} {unit}/s{mfu} | per micro-batch: data {record['data_ms']:.1f} ms, forward+backward "
@@ -259,7 +259,7 @@ def progress_line(record, fields, total_steps, unit):
 
 def evaluation_line(when, result):
     """An evaluation's line: when it ran, and each of its figures."""
-    return f"{when} | " + " | ".join(shown(k, v) for k, v in result.items())
+    return f"{when} | " + " | ".join(as_figure(k, v) for k, v in result.items())
 
 
 def run_summary(run, state, rates, timer, weights, measured, recipe_fields):

@@ -64,6 +64,7 @@ from .refusals import (
     check_deepspeed_flags,
     check_gpus_before_start,
     check_launch,
+    check_sequence_parallel,
     refuse_optimizer_offload,
 )
 from .reporting import (
@@ -122,17 +123,19 @@ class Run:
 
     # ---- before prepare() -------------------------------------------------------------------------
     def setup(self, accelerator, *, batch_size, max_grad_norm=0.0, eval_batch_size=None, refuse_offload=None,
-              default_output_dir=None):
+              default_output_dir=None, sequence_parallel=False):
         """Launch checks (no rank trains alone, the global batch divides), DeepSpeed clipping like
         max_grad_norm, --checkpoint-dir's lock, and the output directory (results.py: the one rule; a run that
         continues its --checkpoint-dir writes where that run wrote). refuse_offload: (why, instead) for SGD recipes.
-        default_output_dir: where the results go without --output-dir (runs/<name>/<how it runs> if None). The
+        default_output_dir: where the results go without --output-dir (runs/<name>/<how it runs> if None).
+        sequence_parallel: whether the recipe runs under a config with sequence parallelism (refused if not). The
         accumulation steps are the Accelerator's, read here, before prepare(): a DeepSpeed config that says
         otherwise is refused in start()."""
         self.accelerator, self.print = accelerator, main_print(accelerator)
         self.batch_size, self.max_grad_norm = batch_size, max_grad_norm
         self.grad_accum = accelerator.gradient_accumulation_steps
         check_launch(accelerator)
+        check_sequence_parallel(accelerator, sequence_parallel)
         quiet_deprecated_collectives()
         if refuse_offload:
             refuse_optimizer_offload(accelerator, *refuse_offload)
@@ -282,11 +285,14 @@ class Run:
     def _first_line(self, optimizer, describe):
         """What runs, on what, how far, and the command that stops it."""
         acc, e, world = self.accelerator, self.engine_facts, self.accelerator.num_processes
-        per_process = self.batch_size // self.grad_accum // world
+        sp = e["sequence_parallel"]  # processes that share each sequence: they read the same batch
+        per_process = self.batch_size // self.grad_accum // (world // sp)
         return (f"{e['distributed_type']} | {world} process{'es' if world != 1 else ''} on {acc.device.type} | "
                 f"mixed precision {e['mixed_precision']}{precision_source(e)} | ZeRO stage "
                 f"{e['deepspeed_stage'] or '-'} | optimizer {optimizer_name(optimizer)} ({implementation(optimizer)})"
-                f" | global batch {self.batch_size} ({self.grad_accum} x {per_process} per process) | "
+                f" | global batch {self.batch_size} ({self.grad_accum} x {per_process} per "
+                f"{'process' if sp == 1 else f'group of {sp}, each sequence split over the group (sequence parallel)'})"
+                f" | "
                 f"{describe + ' | ' if describe else ''}{self.total_steps} step{'s' if self.total_steps != 1 else ''}"
                 f" | {how_to_stop(self.args.checkpoint_dir)}")
 

@@ -58,7 +58,7 @@ def _version_problem(manifest):
 def _layout_problem(layout):
     """None, or why a manifest's layout is not one rules.layout writes."""
     if not (isinstance(layout, dict) and {"family", "zero_stage", "world_size"} <= set(layout)
-            <= {"family", "zero_stage", "world_size", "grad_accum"}):
+            <= {"family", "zero_stage", "world_size", "grad_accum", "sequence_parallel"}):
         return "its layout is not one this code writes"
     family, stage = layout["family"], layout["zero_stage"]
     engine = FORMATS.get(family) if isinstance(family, str) else None
@@ -70,6 +70,8 @@ def _layout_problem(layout):
         return f"its layout's world_size {shown(layout['world_size'])} is not a number of processes"
     if "grad_accum" in layout and not whole(layout["grad_accum"], 1, 1 << 20):
         return f"its layout's grad_accum {shown(layout['grad_accum'])} is not a number of micro-batches"
+    if "sequence_parallel" in layout and not whole(layout["sequence_parallel"], 2, layout["world_size"]):
+        return f"its layout's sequence_parallel {shown(layout['sequence_parallel'])} is not a size of process groups"
     return None
 
 

@@ -2,7 +2,8 @@
 
 Owns the rules, written as data:
   * the layout: which engine wrote the files (full state, DeepSpeed ZeRO stage N, FSDP), over how many
-    processes and in how many accumulation steps. The engine and stage must match; the world size may
+    processes and in how many accumulation steps, and with which sequence-parallel size (recorded when above 1).
+    The engine, stage and sequence-parallel size must match; the world size may
     change (WORLD_SIZE_CHANGE says how, per kind of checkpoint), and --grad-accum with it (RESHAPE), with
     PER_RANK saying what becomes of each rank's own state;
   * the settings: every parsed flag must match, except those in MAY_CHANGE (the run services' own: where
@@ -88,8 +89,10 @@ def layout(accelerator):
     # 1 process and DDP store the same full state; DeepSpeed and FSDP store their own formats.
     family = {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(
         accelerator.distributed_type, "full")
-    return {"family": family, "zero_stage": engine_facts(accelerator)["deepspeed_stage"],
-            "world_size": accelerator.num_processes, "grad_accum": accelerator.gradient_accumulation_steps}
+    facts = engine_facts(accelerator)
+    sequence_parallel = {"sequence_parallel": facts["sequence_parallel"]} if facts["sequence_parallel"] > 1 else {}
+    return {"family": family, "zero_stage": facts["deepspeed_stage"], "world_size": accelerator.num_processes,
+            "grad_accum": accelerator.gradient_accumulation_steps, **sequence_parallel}
 
 
 def must_match_settings(args, may_change, data_facts):
@@ -111,6 +114,10 @@ def incompatibility(manifest, now, must_match):
     if saved["family"] != now["family"] or saved["zero_stage"] != now["zero_stage"]:
         return (f"it was written by {saved['family']} (ZeRO stage {saved['zero_stage']}) and this run is "
                 f"{now['family']} (ZeRO stage {now['zero_stage']}); their files differ")
+    if (saved_sp := saved.get("sequence_parallel", 1)) != (now_sp := now.get("sequence_parallel", 1)):
+        return (f"it was written with sequence parallelism of size {saved_sp} and this run has {now_sp} "
+                f"(parallelism_config_sp_size): a resume onto another split of each sequence is not tested, so it is "
+                f"refused. Resume it with the config that wrote it, or give another --checkpoint-dir")
     before = manifest["must_match"]
     differ = {k: (before.get(k, "<not set>"), must_match.get(k, "<not set>"))
               for k in sorted(set(before) | set(must_match)) if before.get(k) != must_match.get(k) and k not in RESHAPE}
