@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
 from benchmark import deepspeed_json_in, free_port  # noqa: E402
-from synthetic_data.mnist import write_synthetic_mnist  # noqa: E402
+from runkit.data.synthetic_mnist import write_synthetic_mnist  # noqa: E402
 
 # A process that ended itself by a signal: C++'s std::terminate, a segfault... torchrun's failure report names the
 # signal. tests/launching.py's check_exit uses the same pattern for every launch of the suite.

@@ -18,26 +18,26 @@
 under ZeRO-3 with zero3_init_flag (deepspeed_zero3*.yaml) transformers loads the model partitioned;
 under FSDP2 prepare() shards the main process's copy. The summary has the loading's peak memory.
 
-Data through `datasets` (finetune_data/examples.py): --data-files (text or JSON Lines, globs) or --dataset
+Data through `datasets` (finetune/examples.py): --data-files (text or JSON Lines, globs) or --dataset
 (hub); --format auto reads the columns: conversations are chat (the loss on the assistant turns and their
 end-of-turn tokens), prompt/response records are pairs (the loss on the response and its end), plain text is
 cut into blocks. Pairs and chats are packed several to a block of --block-size tokens (default: the model's
 context, at most 1024), each attending only to itself with its positions restarting at 0 (--no-packing: one
-per block, padded; finetune_data/packing.py); labels are set by position, so padding never counts; the
+per block, padded; finetune/packing.py); labels are set by position, so padding never counts; the
 first line and the summary give the padding share, the examples per block and the examples --block-size cut
 or dropped. The model gets its attention mask from the recipe (none, and SDPA's is_causal, unless examples
 are packed): no host sync in a step, compiled or not. The result, OUTPUT_DIR/model, is save_pretrained
 (safetensors) with the tokenizer, gathered from every rank. tokens/s and MFU (--peak-tflops) count real
 tokens, not padding. The loss is the mean over every loss token of the whole optimizer step (all
 micro-batches, all ranks): 1 process, --grad-accum, N processes, packed and padded agree. LoRA (--lora-r,
-through PEFT: lora/adapters.py): the base frozen in the dtype it is loaded in (the config's compute dtype),
+through PEFT: finetune/lora.py): the base frozen in the dtype it is loaded in (the config's compute dtype),
 adapters with fp32 weights computing in the compute dtype, alone in the optimizer, dropout 0 by default
 (under ZeRO-3 on GPUs that hold the frozen base, a note names the faster configs); OUTPUT_DIR/adapter in
 PEFT's format, --merge-lora also OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2.
 The default OUTPUT_DIR is runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA and -padded for
---no-packing. The loss goes through the output layer in --loss-chunks chunks (default 8; lm_loss/chunked.py), the
+--no-packing. The loss goes through the output layer in --loss-chunks chunks (default 8; chunked_loss.py), the
 positions outside it dropped first: the [tokens x vocabulary] logits never exist whole. Under
-deepspeed_zero3_sp2.yaml two processes share each sequence (Ulysses; sequence_parallel/ulysses.py, --no-packing).
+deepspeed_zero3_sp2.yaml two processes share each sequence (Ulysses; runkit/finetune/ulysses.py, --no-packing).
 
 Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
 fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3
@@ -59,10 +59,10 @@ import os
 import sys
 from datetime import timedelta
 
-from finetune_data.examples import add_data_args
-from lm_loss.flags import add_loss_args
-from lora.adapters import add_lora_args, flags_without_rank
 from runkit import add_run_args
+from runkit.finetune.examples import add_data_args
+from runkit.finetune.lora import add_lora_args, flags_without_rank
+from runkit.finetune.loss_flags import add_loss_args
 from runkit.flags import DefaultOnce
 
 # Flags a resumed run may change: they act after training or only on what is reported.
@@ -75,7 +75,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False, formatter_class=DefaultOnce)
     p.add_argument("--model", default="Qwen/Qwen2.5-0.5B",
                    help="hub id, or a local directory written by save_pretrained")
-    add_data_args(p)  # --data-files or --dataset, --format and the columns (finetune_data/examples.py)
+    add_data_args(p)  # --data-files or --dataset, --format and the columns (finetune/examples.py)
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per sequence, at most the model's context (default: 1024, or the context if shorter)")
     p.add_argument("--max-steps", type=int, default=1000, help="optimizer steps")
@@ -86,8 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (0: no clipping)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
-    add_loss_args(p)  # --loss-chunks (lm_loss/flags.py, lm_loss/chunked.py)
-    add_lora_args(p)  # --lora-r and the adapters' settings (lora/adapters.py); OUTPUT_DIR gets -lora-r<R>
+    add_loss_args(p)  # --loss-chunks (runkit/finetune/loss_flags.py, chunked_loss.py)
+    add_lora_args(p)  # --lora-r and the adapters' settings (finetune/lora.py); OUTPUT_DIR gets -lora-r<R>
     p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=10,
                    help="held-out examples per evaluation: this many global batches of them (packed, in fewer blocks)")
@@ -124,15 +124,15 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 
-from finetune_data.examples import IGNORE, DataProblem, cut_note, load_examples
-from finetune_data.packing import attention_implementation, block_causal_mask, blocks_note
-from lm_loss.chunked import install, token_losses, with_loss_count
-from lora.adapters import merge_adapters
-from pretrained.loading import load_config_and_tokenizer, load_model, zero3_lora_note
-from pretrained.weights import base_fingerprint, record_base
 from runkit import Run
 from runkit.engines import run_label
-from sequence_parallel.ulysses import SequenceParallel, host_count, in_loss, loss_targets
+from runkit.finetune.chunked_loss import install, token_losses, with_loss_count
+from runkit.finetune.examples import IGNORE, DataProblem, cut_note, load_examples
+from runkit.finetune.lora import merge_adapters
+from runkit.finetune.packing import attention_implementation, block_causal_mask, blocks_note
+from runkit.finetune.pretrained import load_config_and_tokenizer, load_model, zero3_lora_note
+from runkit.finetune.ulysses import SequenceParallel, host_count, in_loss, loss_targets
+from runkit.finetune.weights import base_fingerprint, record_base
 
 
 def default_output_dir(args, accelerator):
@@ -152,14 +152,15 @@ def check_block_size(args, config, run):
 
 
 def check_sequence_parallel(sp, args, config, accelerator, run):
-    """Under sequence parallelism (sequence_parallel/ulysses.py): refuse, before data or model loads, what it cannot
+    """Under sequence parallelism (runkit/finetune/ulysses.py): refuse, before data or model loads, what it cannot
     train (one line that says what to do)."""
     if problem := sp.problem(args, config, args.batch_size, args.grad_accum, accelerator.num_processes):
         run.fail(problem)
 
 
 def load_data(args, run, accelerator, tokenizer):
-    """finetune_data's blocks of block_size tokens (train, validation, sample, format, source, cuts, facts)."""
+    """The data's blocks of block_size tokens (runkit.finetune.examples: train, validation, sample, format, source,
+    cuts, facts)."""
     problem = None
     with accelerator.main_process_first():  # the main process tokenises and caches; the others reuse its cache
         try:  # a problem is reported after the block, by every rank: a rank leaving inside it strands the others
@@ -194,7 +195,7 @@ def warmup_cosine(optimizer, args):
 
 def prepare(accelerator, sp, micro, model, optimizer, train_loader, val_loader, scheduler):
     """accelerator.prepare() of them all; under sequence parallelism the loaders split by sequence-parallel group
-    (sequence_parallel/ulysses.py) and kept out of prepare(), which would wrap them in DeepSpeed's own adapter."""
+    (runkit/finetune/ulysses.py) and kept out of prepare(), which would wrap them in DeepSpeed's own adapter."""
     if sp.on:
         train_loader, val_loader = sp.prepare_loaders(train_loader, val_loader, accelerator, micro)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)  # accelerate
@@ -215,15 +216,15 @@ def flops_per_token(config, n_params, trained, args, span):
 def forward_losses(model, batch, given_mask, head):
     """The forward and the loss: each sequence's summed next-token loss over its positions whose target is not
     IGNORE, and how many it has (fp32, as Hugging Face computes it). head: the output layer computing the loss in
-    chunks (lm_loss/chunked.py), or None for the plain loss. Under sequence parallelism a batch is this rank's slice
-    of each sequence, with its targets (sequence_parallel/ulysses.py)."""
+    chunks (runkit.finetune.chunked_loss), or None for the plain loss. Under sequence parallelism a batch is this
+    rank's slice of each sequence, with its targets (runkit.finetune.ulysses)."""
     return token_losses(model, model_inputs(batch, given_mask), loss_targets(batch), head, host_count(batch))
 
 
 def model_inputs(batch, given_mask):
     """What the model is given for a batch of blocks: the tokens; for packed blocks also their positions, which
     restart at 0 in each example, and (given_mask) the block-diagonal causal mask that keeps each example to
-    itself (finetune_data/packing.py). Padded blocks and text: the tokens alone, and causal attention."""
+    itself (finetune/packing.py). Padded blocks and text: the tokens alone, and causal attention."""
     inputs = {"input_ids": batch["input_ids"]}
     if "position_ids" in batch:
         inputs["position_ids"] = batch["position_ids"]
@@ -282,7 +283,7 @@ def greedy_answer(model, accelerator, tokenizer, example, fmt, args):
 
 def export(weights, model, accelerator, tokenizer, args, output_dir, base_weights=None):
     """Main process: directories from_pretrained (and PEFT) load, with the tokenizer; returns where they are. The
-    adapter's directory also records the base it adapts and that base's fingerprint (pretrained/weights.py)."""
+    adapter's directory also records the base it adapts and that base's fingerprint (finetune/weights.py)."""
     model_dir, adapter_dir = (os.path.join(output_dir, name) for name in ("model", "adapter"))
     plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
     if args.lora_r:  # PEFT's own format, in fp32; PEFT picks the adapters' tensors out of the whole model's
@@ -367,7 +368,7 @@ def main(argv=None):
     # The loss is the mean over every loss token of the optimizer step, whatever the micro-batch and the rank:
     # each micro-batch's summed loss over the step's token count, times what backward() then divides by
     # (the micro-batches per step, and the processes whose gradients are averaged; under sequence parallelism
-    # each rank's slice of the sequences: sequence_parallel/ulysses.py).
+    # each rank's slice of the sequences: runkit/finetune/ulysses.py).
     undo_means = accelerator.num_processes * args.grad_accum
     model.train()  # from_pretrained returns the model in eval mode: dropout off, and Ulysses bypassed (disable_in_eval)
     for batches in run.epochs(train_loader):  # resumes mid-epoch; checkpoints at each epoch's end

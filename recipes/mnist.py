@@ -10,7 +10,7 @@ Swapping the config file is the whole change (Slurm: docs/slurm.md). --checkpoin
 a stop signal (SIGUSR1/SIGTERM) saves and exits 75, and the same command resumes exactly
 where it stopped (docs/checkpoints.md). --report-to tensorboard draws curves, --profile 5
 traces 5 steps (docs/measuring.md). The lines marked `# accelerate` are the only
-distributed ones; `run` (recipes/runkit) keeps checkpoints, stopping and timing out of the loop.
+distributed ones; `run` (src/runkit, the runkit package) keeps checkpoints, stopping and timing out of the loop.
 
 The model is the HPC courses' ConvNet (two 5x5 conv + BatchNorm + max-pool blocks, one
 linear layer). `--batch-size` is the GLOBAL batch, split across the processes: 1 process
@@ -71,8 +71,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchvision.datasets import MNIST
 
 from runkit import Run
+from runkit.data.synthetic_mnist import write_synthetic_mnist
 from runkit.exits import one_line
-from synthetic_data.mnist import write_synthetic_mnist
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 

@@ -38,7 +38,7 @@ from tiny_hf import write_all
 def data_dir(tmp_path_factory):
     """Synthetic digits generated once for the whole session, in MNIST's idx format."""
     sys.path.insert(0, str(REPO / "recipes"))
-    from synthetic_data.mnist import write_synthetic_mnist
+    from runkit.data.synthetic_mnist import write_synthetic_mnist
     root = tmp_path_factory.mktemp("data")
     write_synthetic_mnist(root / f"synthetic-{TRAIN_SIZE}-{TEST_SIZE}", TRAIN_SIZE, TEST_SIZE, seed=0)
     return root

@@ -6,7 +6,7 @@ result; a loop that reads as plain PyTorch; docs/recipes.md naming exactly the a
 one concern per module, each listed once, no name defined twice, nothing below run.py importing it.
 
 What Run promises every recipe built on it, observed from outside (slow: real runs):
-* a resumed run must match every flag but the declared ones that may change (recipes/runkit/checkpoint/rules.py);
+* a resumed run must match every flag but the declared ones that may change (src/runkit/checkpoint/rules.py);
 * the same command again after the run finished changes nothing and exits 0;
 * --checkpoint-every alone sets the checkpoint cadence (the last step is saved too);
 * each way of running keeps its own default output directory, runs/<recipe>/<how it runs>;
@@ -28,9 +28,10 @@ from launching import CONFIG_DIR, DATA_ARGS, REPO, launch_command, recipe_args, 
 
 TRAINING_RECIPES = sorted((REPO / "recipes").glob("*.py"))
 RECIPES = TRAINING_RECIPES + sorted((REPO / "recipes" / "quickstart").glob("*.py"))
-RUNKIT = sorted((REPO / "recipes" / "runkit").rglob("*.py"))  # its checkpoint/ package too
-# A recipe's own modules beside it (synthetic_data/, finetune_data/, lora/): part of the recipe, under its contract.
-RECIPE_MODULES = sorted(p for p in (REPO / "recipes").glob("*/*.py") if p.parent.name not in ("quickstart", "runkit"))
+HELPERS = ("data", "finetune")  # the recipes' own helpers, installed with runkit: under the recipes' contract
+RUNKIT = sorted(p for p in (REPO / "src" / "runkit").rglob("*.py") if p.parent.name not in HELPERS)  # checkpoint/ too
+RECIPE_MODULES = sorted(p for name in HELPERS for p in (REPO / "src" / "runkit" / name).glob("*.py")
+                        if p.name != "__init__.py")
 
 
 def imports_run(path):
@@ -69,7 +70,7 @@ def contract_violations(source):
     return found
 
 
-@pytest.mark.parametrize("recipe", RECIPES + RECIPE_MODULES, ids=lambda p: str(p.relative_to(REPO / "recipes")))
+@pytest.mark.parametrize("recipe", RECIPES + RECIPE_MODULES, ids=lambda p: str(p.relative_to(REPO)))
 def test_recipe_contract(recipe):
     assert contract_violations(recipe.read_text()) == set(), FORBIDDEN
 
@@ -193,14 +194,19 @@ def test_recipe_input_errors_are_one_clear_line(command, message, tmp_path):
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
 
 
+def run_service(module):
+    """Whether `module` is one of runkit's run services, not one of the recipes' own helpers it also installs."""
+    return module.split(".")[0] == "runkit" and module.split(".")[1:2] not in (["data"], ["finetune"])
+
+
 def project_imports(source):
-    """Names a recipe imports from the project's own modules (runkit)."""
+    """Names a recipe imports from the run services (runkit, its helpers for the recipes aside)."""
     names = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "runkit":
+        if isinstance(node, ast.ImportFrom) and node.module and run_service(node.module):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.Import):
-            names += [a.name for a in node.names if a.name.split(".")[0] == "runkit"]
+            names += [a.name for a in node.names if run_service(a.name)]
     return names
 
 
@@ -379,7 +385,7 @@ def test_recipes_md_names_exactly_the_accelerate_calls():
 
 def runkit_table():
     """{module file: its concern} from the table in runkit/__init__.py's docstring (one line per module)."""
-    doc = ast.get_docstring(ast.parse((REPO / "recipes" / "runkit" / "__init__.py").read_text()))
+    doc = ast.get_docstring(ast.parse((REPO / "src" / "runkit" / "__init__.py").read_text()))
     rows = [re.match(r"\s+((?:\w+/)?\w+\.py)\s+(.+)", line) for line in doc.splitlines()]
     names = [row.group(1) for row in rows if row]
     assert len(names) == len(set(names)), f"a module listed twice: {names}"
@@ -391,7 +397,7 @@ def test_each_runkit_module_owns_one_listed_concern():
     owns; no public name is defined in two modules (one owner per decision); and no module below run.py imports
     run.py (the Run object sits on top of the services, never under them)."""
     table = runkit_table()
-    names = {path: str(path.relative_to(REPO / "recipes" / "runkit")) for path in RUNKIT}
+    names = {path: str(path.relative_to(REPO / "src" / "runkit")) for path in RUNKIT}
     modules = {name for name in names.values() if not name.endswith("__init__.py")}
     assert set(table) == modules, (set(table) ^ modules)
     defined = {}
@@ -534,3 +540,29 @@ def test_resume_is_exact_with_dropout(shelf_data, tmp_path):
     losses = [[(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / name / "metrics.jsonl").open())]
               for name in ("whole", "resumed")]
     assert losses[1] == [step for step in losses[0] if step[0] > 4] and len(losses[1]) == 4
+
+
+def test_runkit_is_an_installed_versioned_package(tmp_path):
+    """Issue 43: `import runkit` works from any directory (the README's install command installs it), its version
+    is the one pyproject.toml builds, and importing it imports no torch."""
+    probe = "import runkit, sys; print(runkit.__version__, 'torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    version, torch_loaded = result.stdout.split()
+    assert result.returncode == 0 and torch_loaded == "False", result.stderr
+    metadata = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('runkit'))"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert metadata.stdout.strip() == version, (metadata.stdout, metadata.stderr)
+
+
+@pytest.mark.slow
+def test_a_recipe_copied_alone_runs(data_dir, tmp_path):
+    """Issue 43: mnist.py copied alone into an empty directory runs there to its summary, with nothing beside it but
+    installed packages (its helpers are runkit's: runkit.data, runkit.Run)."""
+    alone = tmp_path / "elsewhere"
+    alone.mkdir()
+    shutil.copy(REPO / "recipes" / "mnist.py", alone / "mnist.py")
+    code, output = run_command([sys.executable, "mnist.py", "--data", "synthetic", "--data-dir", str(data_dir),
+                                *DATA_ARGS, "--epochs", "1", "--batch-size", "500"], cwd=alone)
+    assert code == 0, output[-3000:]
+    assert json.loads((alone / "runs" / "mnist" / "1proc" / "summary.json").read_text())["steps"] == 4
+    assert sorted(p.name for p in alone.iterdir()) == ["mnist.py", "runs"]

@@ -1,4 +1,4 @@
-"""The directory lock (recipes/runkit/checkpoint/lock.py) without a launch: one writer per --checkpoint-dir, a
+"""The directory lock (src/runkit/checkpoint/lock.py) without a launch: one writer per --checkpoint-dir, a
 live holder named, a dead holder's lock taken over (a zombie's too), a requeued Slurm job taking over its own earlier
 run; a lock that is garbage, out of range, a link or a FIFO; a directory others can write refused; the lock and its
 names importing without torch.

@@ -18,7 +18,7 @@ PAGES = ["configs", "slurm", "checkpoints", "measuring", "troubleshooting",  # i
          "recipes", "writing-a-recipe", "install"]  # issues #24, #41
 README_MAX_LINES = 260
 
-# Every key the recipes write into summary.json (recipes/runkit/run.py, reporting.py, timing.py and
+# Every key the recipes write into summary.json (src/runkit/run.py, reporting.py, timing.py and
 # the recipes' own extras), each of which docs/measuring.md must define under "Summary fields".
 SUMMARY_KEYS = [
     # identity
@@ -243,7 +243,7 @@ def test_readme_front_page_has_two_commands_and_the_map_in_40_lines():
                      commands[2]) and "--model" in commands[2], commands[2]
     the_map = re.search(r"^## The map\n\n```\n(.*?)^```", top, re.M | re.S)
     assert the_map, "no map in the first 40 lines"
-    for place in ("recipes/", "recipes/runkit/", "accelerate_configs/", "cpu_route/", "launch/", "docs/", "tests/"):
+    for place in ("recipes/", "src/runkit/", "accelerate_configs/", "cpu_route/", "launch/", "docs/", "tests/"):
         assert re.search(rf"^{re.escape(place)}", the_map.group(1), re.M), place
     text = [line for line in prose(README.read_text(encoding="utf-8")).splitlines() if not line.startswith("|")]
     assert max(map(len, text)) <= 300, max(text, key=len)  # a table's row may be long: it is one entry
@@ -267,7 +267,7 @@ def test_checkpoints_and_troubleshooting_agree_on_what_the_first_line_names():
     main process. Both pages now say the command, and neither says the launcher's pid is what the first line names."""
     pages = {name: " ".join((DOCS / name).read_text(encoding="utf-8").split())
              for name in ("checkpoints.md", "troubleshooting.md")}
-    said = "stop with a checkpoint: python3 recipes/runkit/stopping.py DIR"
+    said = "stop with a checkpoint: python3 -m runkit.stop DIR"
     for name, text in pages.items():
         assert said in text.replace("`", ""), name
         assert not re.search(r"launcher's pid \(the one the first line names\)", text), name

@@ -1,4 +1,4 @@
-"""The checkpoint file rules that need no launch (recipes/runkit/checkpoint/: safe_loading.py, untrusted.py,
+"""The checkpoint file rules that need no launch (src/runkit/checkpoint/: safe_loading.py, untrusted.py,
 files.py, held.py, manifest.py, formats.py): what a checkpoint file may
 contain (no code, plain numpy RNG state, no compressed torch zip), that links, FIFOs and malformed manifests
 are refused with a reason, and which rank hashes which files.

@@ -1,4 +1,4 @@
-"""recipes/runkit/refusals.py: launches that would train wrongly, refused at start-up with one clear line and a
+"""src/runkit/refusals.py: launches that would train wrongly, refused at start-up with one clear line and a
 non-zero exit, before the data and the model are built. Each slow test is a real launch of recipes/mnist.py on CPU;
 the quick ones call the refusal in this process, with the launch's environment set as accelerate launch sets it.
 

@@ -1,4 +1,4 @@
-"""recipes/runkit/checkpoint/rules.py without a launch: what a resume on another world size or --grad-accum may
+"""src/runkit/checkpoint/rules.py without a launch: what a resume on another world size or --grad-accum may
 change, what it refuses, the log window's rule, and the table in
 docs/checkpoints.md that states the rules. Quick: the launches that prove them are in test_checkpoint_resume.py."""
 

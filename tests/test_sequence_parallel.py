@@ -58,7 +58,7 @@ def test_two_processes_sharing_each_sequence_train_as_one_process(finetune, hf, 
 
 
 def sequence_parallel(size=2, world=2):
-    from sequence_parallel.ulysses import SequenceParallel
+    from runkit.finetune.ulysses import SequenceParallel
     return SequenceParallel(size, 0, world // size, 0)
 
 

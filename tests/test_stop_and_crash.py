@@ -1,5 +1,5 @@
 """Stopping and crashing, all in one place: stop signals, a dead rank, a kill during a save, a launcher that dies,
-a full disk and Ctrl-C; each recipe's own stop; and recipes/runkit/stopping.py, stop.py and launcher.py without a run.
+a full disk and Ctrl-C; each recipe's own stop; and src/runkit/stopping.py, stop.py and launcher.py without a run.
 
 The quick tests (no launch) check them: the stop agreement between ranks, the line that says how to stop a run, the
 stop command, and a worker whose launcher is gone before it starts. The others are real launches on CPU (slow): each
@@ -49,7 +49,7 @@ from run_checks import assert_identical_params, assert_same_steps
 sys.path.insert(0, str(REPO / "recipes"))
 from runkit.stopping import GracefulStop, how_to_stop  # noqa: E402
 
-# ---- recipes/runkit/stopping.py, stop.py and launcher.py, without a run (quick) ------------------------------
+# ---- src/runkit/stopping.py, stop.py and launcher.py, without a run (quick) ------------------------------
 
 
 class OneRank:
@@ -132,7 +132,7 @@ def test_how_to_stop_under_a_launcher_names_the_stop_command(outside_any_launche
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     first, without, trained = out.stdout.splitlines()
-    assert first == "stop with a checkpoint: python3 recipes/runkit/stop.py 'my ckpt'"
+    assert first == "stop with a checkpoint: python3 -m runkit.stop 'my ckpt'"
     pid = int(re.match(r"kill -TERM (\d+) stops it without a checkpoint", without).group(1))
     assert pid != os.getpid() and trained == "trained on"  # the worker's own pid, not the launcher's
 
@@ -161,7 +161,7 @@ time.sleep(120)
 
 
 def stop_command(directory, *extra):
-    return subprocess.run([sys.executable, "recipes/runkit/stop.py", str(directory), *extra], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "runkit.stop", str(directory), *extra], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -259,7 +259,7 @@ def test_stop_command_signals_no_process_but_a_run_on_the_directory(tmp_path, lo
                 "not a run on it": f"names pid {bystander.pid}, which is alive but does not hold that lock",
                 "another host": f"runs on elsewhere (pid {bystander.pid}): run this command there",
                 "a Slurm job": "is Slurm job 4242: stop it with scancel --signal=TERM --full 4242"}[lock]
-        assert out.stderr.startswith("stop.py: error: ") and said in out.stderr, out.stderr
+        assert out.stderr.startswith("runkit.stop: error: ") and said in out.stderr, out.stderr
         assert bystander.poll() is None  # not signalled
     finally:
         bystander.kill()
@@ -532,7 +532,7 @@ def test_first_line_names_a_stop_command_that_exits_75(start, tmp_path):
     ckpt = tmp_path / "ckpt"
     run = start("2gpu.yaml", "--epochs", "50", "--log-every", "1", "--checkpoint-dir", str(ckpt))
     run.wait_until(lambda: "stop with a checkpoint: " in run.output and run.steps_logged() >= 2, "step 2")
-    said = re.search(r"stop with a checkpoint: (python3 recipes/runkit/stop.py \S+)$", run.output, re.M)
+    said = re.search(r"stop with a checkpoint: (python3 -m runkit\.stop \S+)$", run.output, re.M)
     assert said, run.output[-3000:]
     command = subprocess.run(shlex.split(said.group(1)), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert command.returncode == 75, (command.stdout, command.stderr)

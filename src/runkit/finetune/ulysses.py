@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lm_loss.chunked import IGNORE, LOSS_COUNT, next_token_targets
+from runkit.finetune.chunked_loss import IGNORE, LOSS_COUNT, next_token_targets
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def loss_targets(batch):
 
 
 def host_count(batch):
-    """The batch's loss positions counted on the host (lm_loss.chunked.with_loss_count), or None after shard()."""
+    """The batch's loss positions counted on the host (chunked_loss.with_loss_count), or None after shard()."""
     return None if "targets" in batch else batch.get(LOSS_COUNT)
 
 

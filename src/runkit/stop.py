@@ -1,6 +1,6 @@
 """The stop command: stop the run that holds a --checkpoint-dir with a checkpoint, from outside the run.
 
-    python3 recipes/runkit/stop.py CHECKPOINT_DIR
+    python3 -m runkit.stop CHECKPOINT_DIR
 
 stops the run that holds CHECKPOINT_DIR (its lock names the main process) with a checkpoint, waits until it has
 saved and ended, and exits 75 as the run itself does, which accelerate launch cannot pass on: it turns any exit of
@@ -11,8 +11,7 @@ The directory is shared storage, untrusted: this command reads it only through t
 need nothing but the standard library: the names and size limits (checkpoint/layout.py), whose entries a run may
 use and how many it looks at (checkpoint/owners.py), the bounded read of a small file (checkpoint/untrusted.py) and
 whether a process is alive (checkpoint/lock.py); it signals only a process of this host that holds the lock open.
-Run by path, it puts its package's parent on sys.path and imports runkit absolutely (runkit/__init__.py imports
-nothing eagerly, so no torch).
+runkit/__init__.py imports nothing eagerly, so the command imports no torch.
 """
 
 import json
@@ -21,9 +20,6 @@ import signal
 import socket
 import sys
 import time
-
-if __name__ == "__main__":  # run by path: runkit from the folder above, not runkit's own modules as top-level names
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from runkit.checkpoint.layout import LOCK, LOCK_MAX_BYTES, MANIFEST, MANIFEST_MAX_BYTES, is_lock_name, steps
 from runkit.checkpoint.lock import alive
@@ -134,17 +130,17 @@ def stop_run(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="stop.py", description="Stop the run that holds CHECKPOINT_DIR with a checkpoint, as its first line "
-        "says: it finishes its step, every rank saves, and it exits. Exits 75 once that checkpoint is saved (run "
-        "the run's command again to resume), 0 if the run finished first, 1 if it ended without saving or is still "
-        "running after --wait, 2 if no run of this user's on this host holds the directory.")
+        prog="python3 -m runkit.stop", description="Stop the run that holds CHECKPOINT_DIR with a checkpoint, as its "
+        "first line says: it finishes its step, every rank saves, and it exits. Exits 75 once that checkpoint is saved "
+        "(run the run's command again to resume), 0 if the run finished first, 1 if it ended without saving or is "
+        "still running after --wait, 2 if no run of this user's on this host holds the directory.")
     parser.add_argument("checkpoint_dir", help="the run's --checkpoint-dir")
     parser.add_argument("--wait", type=float, default=WAIT_S, help="seconds to wait for the run to save and end")
     args = parser.parse_args(argv)
     directory = args.checkpoint_dir
     pid, problem = _holder_pid(directory)
     if problem:
-        print(f"stop.py: error: {problem}", file=sys.stderr, flush=True)
+        print(f"runkit.stop: error: {problem}", file=sys.stderr, flush=True)
         return 2
     cwd, (before, _) = os.readlink(f"/proc/{pid}/cwd"), _newest_state(directory)
     signalled = time.time()
@@ -152,7 +148,7 @@ def stop_run(argv=None):
     print(f"stopping the run on {directory} (pid {pid}): it finishes its step, saves a checkpoint and exits",
           flush=True)
     if not _wait(pid, args.wait):
-        print(f"stop.py: error: pid {pid} is still running {args.wait:g} s after SIGTERM (a long step or save, or "
+        print(f"runkit.stop: error: pid {pid} is still running {args.wait:g} s after SIGTERM (a long step or save, or "
               f"it does not act on the signal): wait longer (--wait), or look at its output", file=sys.stderr,
               flush=True)
         return 1
@@ -171,7 +167,7 @@ def _outcome(directory, pid, before, cwd, signalled):
     if state and os.path.isfile(summary) and os.path.getmtime(summary) >= signalled:
         print(f"the run had finished before it could stop: its results are in {os.path.dirname(summary)}", flush=True)
         return 0
-    print(f"stop.py: error: pid {pid} ended without saving a checkpoint for the stop (its own output says why; a "
+    print(f"runkit.stop: error: pid {pid} ended without saving a checkpoint for the stop (its own output says why; a "
           f"run stopped before its first step has nothing to save); the newest checkpoint in {directory} is "
           f"{path or 'none'}", file=sys.stderr, flush=True)
     return 1

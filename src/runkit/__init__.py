@@ -25,7 +25,7 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     collectives.py              verdicts every rank reaches together
     sharded_model.py            run.sharded_init(): the model built sharded under ZeRO-3 and FSDP
     stopping.py                 stop signals, the agreement between ranks, exit code 75, the line naming how to stop
-    stop.py                     the stop command: python3 recipes/runkit/stop.py DIR stops the run that holds DIR
+    stop.py                     the stop command: python3 -m runkit.stop DIR stops the run that holds DIR
     launcher.py                 the launcher a worker runs under: its exit code's fate, dying with it (no orphan)
     timing.py                   the data / forward+backward / optimizer / other split, without stalling the GPU
     reporting.py                metrics.jsonl, the progress and evaluation lines, --profile, memory, summary.json
@@ -34,6 +34,8 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     optimizers.py               which optimizer really steps, and the scheduler pointed at it
     exits.py                    one message and one exit code from every rank; the process group torn down
 """
+
+__version__ = "1.0.0"  # pin it: pip install runkit==1.0.0 from this tree; the checkpoint format has its own version
 
 # Run and add_run_args are imported when a recipe asks for them (PEP 562), not with the package: importing one module
 # of runkit (the stop command's standard-library modules, launch/slurm_launch.py's exit code) imports no torch.

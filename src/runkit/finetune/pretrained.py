@@ -1,11 +1,11 @@
 """A pretrained Hugging Face causal model for a fine-tune: read the way each engine needs it.
 
 Owns: --model's config and tokenizer, read before the Accelerator exists (with the parameter count, from a model
-on the meta device) and with the weight files' check (pretrained/weights.py), and the one-line messages for a path,
+on the meta device) and with the weight files' check (finetune/weights.py), and the one-line messages for a path,
 hub id or directory that cannot be read; transformers told never to run a directory's own code (NO_CODE); the
 weights, loaded in the dtype a full or LoRA fine-tune trains them in, partitioned while loaded under ZeRO-3 and
 sharded from the main process's copy under FSDP2, with the attention implementation the recipe gives its masks
-(finetune_data/packing.py); LoRA's adapters on top (lora/adapters.py); and the one-line note for LoRA under ZeRO-3
+(finetune/packing.py); LoRA's adapters on top (finetune/lora.py); and the one-line note for LoRA under ZeRO-3
 on GPUs that can each hold the frozen base.
 """
 
@@ -14,9 +14,9 @@ import re
 
 import torch
 
-from lora.adapters import LoraProblem, with_lora
-from pretrained.weights import weights_problem
 from runkit.exits import one_line
+from runkit.finetune.lora import LoraProblem, with_lora
+from runkit.finetune.weights import weights_problem
 
 # A hub id: a name, or an organisation and a name. Anything else given to --model is a path.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -27,7 +27,7 @@ NO_CODE = {"trust_remote_code": False}
 
 def load_config_and_tokenizer(name):
     """(config, parameter count, tokenizer, error), before any weight is read, and for a local directory its weight
-    files checked (pretrained/weights.py). Called before the Accelerator exists: under ZeRO-3 transformers would
+    files checked (finetune/weights.py). Called before the Accelerator exists: under ZeRO-3 transformers would
     partition even a model on the meta device. Nothing in the directory runs (NO_CODE)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # here: --help stays quick
     path = os.path.expanduser(name)

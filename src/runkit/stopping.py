@@ -18,7 +18,7 @@ import sys
 from .launcher import launcher_in_between
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on a signal after saving a checkpoint; run the same command again
-STOP_COMMAND = os.path.join(os.path.dirname(__file__), "stop.py")  # stops a run from outside: python3 STOP_COMMAND DIR
+STOP_COMMAND = "python3 -m runkit.stop"  # stops a run from outside (stop.py): STOP_COMMAND DIR
 
 
 def signal_numbers(names):
@@ -53,7 +53,7 @@ def how_to_stop(checkpoint_dir):
         command = f"scancel --signal=TERM --full {job}"
         after = ", then the job requeues itself" if os.environ.get("RECIPE_STOP_MARKER") else ""
     elif checkpoint_dir and launcher_in_between():
-        command = f"python3 {shlex.quote(_shown_path(STOP_COMMAND))} {shlex.quote(_shown_path(checkpoint_dir))}"
+        command = f"{STOP_COMMAND} {shlex.quote(_shown_path(checkpoint_dir))}"
         after = ""
     else:
         command, after = f"kill -TERM {os.getpid()}", ""

@@ -1,1 +1,0 @@
-"""Data generated on the spot in real on-disk formats, for machines that cannot download the real data sets."""

@@ -1,0 +1,11 @@
+"""What finetune_lm.py builds on beside the run services, one module per concern:
+
+    examples.py      the data: records on disk or on the hub, read into the examples a causal model learns from
+    packing.py       examples packed into blocks, each attending only to itself (or padded, one per block)
+    pretrained.py    a pretrained Hugging Face model, loaded for a fine-tune under every engine
+    weights.py       its weight files checked and fingerprinted without loading them
+    lora.py          low-rank adapters through PEFT, on a frozen base, and their merge
+    chunked_loss.py  the next-token loss through the output layer in chunks: the logits never whole
+    loss_flags.py    --loss-chunks (the standard library only: --help answers without torch)
+    ulysses.py       Ulysses sequence parallelism: one sequence over several GPUs
+"""
