@@ -64,6 +64,15 @@ def write_corpus(path, lines):
                               f"over dog {i % 5}." for i in range(lines)))
 
 
+def launch_environment(env=None):
+    """The environment of a launched run: this one's, one thread per process, unbuffered output, `env` on top, and
+    this repository's src/ first on PYTHONPATH, so that every process imports this tree's runkit (a worktree's, not
+    the one `pip install -e` points at) whatever PYTHONPATH `env` sets (the CPU route's tests/cpu_shim)."""
+    full = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), full.get("PYTHONPATH")) if p)
+    return full
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -254,8 +263,7 @@ def run_commands(commands, timeout=600, cwd=REPO):
     procs = []
     try:
         for cmd, env in commands:
-            procs.append(subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1",
-                                                                 PYTHONUNBUFFERED="1", **(env or {})),
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=launch_environment(env),
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                           start_new_session=True))
         deadline = time.monotonic() + timeout
@@ -289,7 +297,7 @@ def on_a_terminal(cmd, answer=b"", columns=150, timeout=300, cwd=REPO):
     pid, fd = pty.fork()
     if pid == 0:  # the child: never returns into pytest
         os.chdir(cwd)
-        os.execvpe(cmd[0], cmd, dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+        os.execvpe(cmd[0], cmd, launch_environment())
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     os.write(fd, answer)
     output, deadline, finished, status = b"", time.monotonic() + timeout, 0, 0
@@ -334,7 +342,7 @@ class Background:
 
     def __init__(self, cmd, env, log_path, recipe="mnist.py"):
         self.log_path, self.recipe = log_path, recipe
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
+        full_env = launch_environment(env)
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
