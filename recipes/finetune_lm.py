@@ -6,6 +6,9 @@
         --model ./my-llama-8b --data-files 'books/*.txt' --gradient-checkpointing
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/finetune_lm.py \\
         --model Qwen/Qwen2.5-7B-Instruct --data-files chat.jsonl --lora-r 16 --lr 2e-4 --merge-lora   # LoRA
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/finetune_lm.py --model ./my-llama-70b \
+        --data-files chat.jsonl --lora-r 16 --lr 2e-4 --load-in-4bit --gradient-checkpointing --block-size 8192 \
+        --batch-size 2   # QLoRA
     python tests/tiny_hf.py /tmp/tiny && OMP_NUM_THREADS=1 python recipes/finetune_lm.py --model /tmp/tiny/model \\
         --data-files /tmp/tiny/pairs.jsonl --block-size 32 --max-steps 300 --batch-size 16 --lr 3e-3 \\
         --output-dir runs/tiny-pairs   # CPU
@@ -33,8 +36,11 @@ micro-batches, all ranks): 1 process, --grad-accum, N processes, packed and padd
 through PEFT: finetune/lora.py): the base frozen in the dtype it is loaded in (the config's compute dtype),
 adapters with fp32 weights computing in the compute dtype, alone in the optimizer, dropout 0 by default
 (under ZeRO-3 on GPUs that hold the frozen base, a note names the faster configs); OUTPUT_DIR/adapter in
-PEFT's format, --merge-lora also OUTPUT_DIR/model; checkpoints leave the frozen base out except under FSDP2.
-The default OUTPUT_DIR is runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA and -padded for
+PEFT's format, --merge-lora also OUTPUT_DIR/model; checkpoints hold the adapters only, never the frozen base.
+QLoRA (--load-in-4bit, with --lora-r; finetune/qlora.py): the base's linear layers loaded in NF4 (bitsandbytes),
+stored in the compute dtype so that FSDP2 and ZeRO-3 shard them (checked after prepare(); the first line says what
+each process holds); --merge-lora writes the base dequantised with the adapters merged in, a plain model.
+The default OUTPUT_DIR is runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA (-qlora-r<R>) and -padded for
 --no-packing. The loss goes through the output layer in --loss-chunks chunks (default 8; chunked_loss.py), the
 positions outside it dropped first: the [tokens x vocabulary] logits never exist whole. Under
 deepspeed_zero3_sp2.yaml two processes share each sequence (Ulysses; runkit/finetune/ulysses.py, --no-packing).
@@ -63,6 +69,7 @@ from runkit import add_run_args
 from runkit.finetune.examples import add_data_args
 from runkit.finetune.lora import add_lora_args, flags_without_rank
 from runkit.finetune.loss_flags import add_loss_args
+from runkit.finetune.qlora import add_qlora_args, without_lora
 from runkit.flags import DefaultOnce
 
 # Flags a resumed run may change: they act after training or only on what is reported.
@@ -88,6 +95,7 @@ def parse_args(argv=None):
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
     add_loss_args(p)  # --loss-chunks (runkit/finetune/loss_flags.py, chunked_loss.py)
     add_lora_args(p)  # --lora-r and the adapters' settings (finetune/lora.py); OUTPUT_DIR gets -lora-r<R>
+    add_qlora_args(p)  # --load-in-4bit: QLoRA, the frozen base in 4 bits (finetune/qlora.py)
     p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=10,
                    help="held-out examples per evaluation: this many global batches of them (packed, in fewer blocks)")
@@ -104,7 +112,7 @@ def parse_args(argv=None):
                         "tokenises) before the run fails")
     add_run_args(p, "finetune_lm", log_every=10)
     args = p.parse_args(argv)
-    if problem := flags_without_rank(args, sys.argv[1:] if argv is None else argv):
+    if problem := flags_without_rank(args, sys.argv[1:] if argv is None else argv) or without_lora(args):
         p.error(problem)  # decided from the flags alone: before anything is imported or loaded
     return args
 
@@ -131,14 +139,16 @@ from runkit.finetune.examples import IGNORE, DataProblem, cut_note, load_example
 from runkit.finetune.lora import merge_adapters
 from runkit.finetune.packing import attention_implementation, block_causal_mask, blocks_note
 from runkit.finetune.pretrained import load_config_and_tokenizer, load_model, zero3_lora_note
+from runkit.finetune.qlora import as_plain_model, checked_base, dequantized_base
 from runkit.finetune.ulysses import SequenceParallel, host_count, in_loss, loss_targets
 from runkit.finetune.weights import base_fingerprint, record_base
 
 
 def default_output_dir(args, accelerator):
-    """runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA and -padded for --no-packing: runs that train
-    differently keep their own results."""
-    label = run_label(accelerator) + (f"-lora-r{args.lora_r}" if args.lora_r else "")
+    """runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA (-qlora-r<R> on a 4-bit base) and -padded for
+    --no-packing: runs that train differently keep their own results."""
+    lora = f"-{'q' if args.load_in_4bit else ''}lora-r{args.lora_r}" if args.lora_r else ""
+    label = run_label(accelerator) + lora
     return os.path.join("runs", "finetune_lm", label + ("" if args.packing else "-padded"))
 
 
@@ -281,9 +291,10 @@ def greedy_answer(model, accelerator, tokenizer, example, fmt, args):
             "sample": tokenizer.decode(new), "sample_token_ids": new, "sample_logprobs": logprobs}
 
 
-def export(weights, model, accelerator, tokenizer, args, output_dir, base_weights=None):
+def export(weights, model, accelerator, tokenizer, args, output_dir, base_weights=None, dequantized=None):
     """Main process: directories from_pretrained (and PEFT) load, with the tokenizer; returns where they are. The
-    adapter's directory also records the base it adapts and that base's fingerprint (finetune/weights.py)."""
+    adapter's directory also records the base it adapts and that base's fingerprint (finetune/weights.py). QLoRA's
+    merge takes the 4-bit base dequantised (`dequantized`, finish()), and writes a plain model (finetune/qlora.py)."""
     model_dir, adapter_dir = (os.path.join(output_dir, name) for name in ("model", "adapter"))
     plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
     if args.lora_r:  # PEFT's own format, in fp32; PEFT picks the adapters' tensors out of the whole model's
@@ -292,7 +303,9 @@ def export(weights, model, accelerator, tokenizer, args, output_dir, base_weight
         record_base(adapter_dir, args.model, base_weights)
         if not args.merge_lora:
             return adapter_dir
-        weights, plain = merge_adapters(weights, plain), plain.get_base_model()
+        weights, plain = merge_adapters({**weights, **(dequantized or {})}, plain), plain.get_base_model()
+        if args.load_in_4bit:  # written as a plain model: save_pretrained of a 4-bit one writes its own 4-bit weights
+            weights, plain = as_plain_model(weights, plain)
     dtype = getattr(torch, args.save_dtype)
     plain.config.use_cache = True  # a config for generating
     plain.save_pretrained(model_dir, state_dict={k: v.to(dtype) for k, v in weights.items()})
@@ -354,12 +367,13 @@ def main(argv=None):
     model, optimizer, train_loader, val_loader, scheduler = prepare(
         accelerator, sp, micro, model, optimizer, train_loader, val_loader, scheduler)
     given_mask, facts = attention is not None and not sp.on, data.facts
+    four_bit = checked_base(args, model, accelerator, run)  # QLoRA: what each process holds of the 4-bit base
     # tokens/s and MFU count real tokens: a block's mean of them, not its positions
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=args.max_steps,
               units_per_sample=facts["real_tokens_per_block"], peak_tflops=args.peak_tflops,
               flops_per_unit=flops_per_token(config, n_params, trained, args, facts["attention_span"]),
               eval_every=args.eval_every, evaluate=lambda: evaluate(model, val_loader, accelerator, given_mask, head),
-              describe=f"{args.model}: {n_params / 1e6:.3g} M parameters | {data.format}: {data.source}, "
+              describe=f"{args.model}: {n_params / 1e6:.3g} M parameters{four_bit} | {data.format}: {data.source}, "
                        f"{blocks_note(facts, data.format, args.block_size)}, {100 * facts['loss_positions_share']:.0f}%"
                        f" of positions in the loss{cut_note(data.cuts, data.format, args.block_size)}",
               data_facts={"source": data.source, "data_format": data.format, "train_examples": facts["train_examples"],
@@ -389,15 +403,17 @@ def main(argv=None):
 
 def finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base):
     """The greedy answer to a held-out prompt, then run.finish: the export and the summary (with the data's facts)."""
-    sample = {}
+    sample, dequantized = {}, {}
     if args.sample_tokens and not run.stopping:
         sample = greedy_answer(model, accelerator, tokenizer, data.sample, data.format, args)
         run.print(f"greedy answer to {sample['sample_prompt']!r}: {sample['sample']!r}")
-    lora = {"lora_r": args.lora_r, "trainable_params": trained,
+    if args.load_in_4bit and args.merge_lora and not run.stopping:  # QLoRA's merge: every rank gathers the 4-bit base
+        dequantized = dequantized_base(accelerator.unwrap_model(model), accelerator.is_main_process)  # accelerate
+    lora = {"lora_r": args.lora_r, "trainable_params": trained, "quantized_base": "nf4" if args.load_in_4bit else None,
             "frozen_dtype": str(dtype).removeprefix("torch.") if args.lora_r else None}
     return run.finish(model, export=functools.partial(export, model=model, accelerator=accelerator,
                                                       tokenizer=tokenizer, args=args, output_dir=run.output_dir,
-                                                      base_weights=base.get("base_weights")),
+                                                      base_weights=base.get("base_weights"), dequantized=dequantized),
                       exported_dtype=args.save_dtype, base_model=args.model, data_format=data.format,
                       data_source=data.source, block_size=args.block_size,
                       gradient_checkpointing=args.gradient_checkpointing, **data.facts, **lora, **sample, **data.cuts)

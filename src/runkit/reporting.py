@@ -154,7 +154,9 @@ def held_parameters(model):
             held = p.to_local()
         held = p if held is None else held
         elements += held.numel()
-        checksum += held.detach().double().sum().item()
+        # Finite values only: QLoRA's packed 4-bit weights, stored in a float type, hold bit patterns that read as
+        # NaN or infinity, which would make every checksum NaN (and two equal ranks unequal).
+        checksum += held.detach().double().nan_to_num(0.0, 0.0, 0.0).sum().item()
     return elements, checksum
 
 

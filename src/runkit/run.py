@@ -202,10 +202,11 @@ class Run:
             self.accelerator.log_with = filter_trackers("tensorboard", output_dir)
 
     @contextlib.contextmanager
-    def sharded_init(self, from_pretrained=False):
+    def sharded_init(self, from_pretrained=False, quantized=False):
         """`with run.sharded_init(): model = ...`: under ZeRO-3 and FSDP no process holds it whole
-        (sharded_model.py). from_pretrained: a Hugging Face from_pretrained() inside."""
-        with sharded_building(self.accelerator, from_pretrained) as how:
+        (sharded_model.py). from_pretrained: a Hugging Face from_pretrained() inside; quantized: loading it quantised
+        (every process loads it whole; prepare() shards it)."""
+        with sharded_building(self.accelerator, from_pretrained, quantized) as how:
             self.model_init = how
             yield
 

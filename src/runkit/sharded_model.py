@@ -6,8 +6,11 @@ only the main process writes real weights, the others allocate theirs without to
 and prepare() sends each rank its shards (accelerate's cpu_ram_efficient_loading, switched on
 for this model). A Hugging Face model from from_pretrained (sharded_init(from_pretrained=True)) is
 loaded partitioned by transformers itself under ZeRO-3; under FSDP every process maps the weight
-files (safetensors, shared page cache) and prepare() shards the main process's values. Anything
-else, and any model built outside sharded_init(): built whole.
+files (safetensors, shared page cache) and prepare() shards the main process's values. A quantised
+from_pretrained (sharded_init(from_pretrained=True, quantized=True): finetune_lm's QLoRA) is loaded whole and
+quantised by every process, as transformers loads a quantised model outside zero.Init and accelerate shards each
+process's own copy of 4-bit weights under FSDP2; prepare() then shards or partitions it. Anything else, and any model
+built outside sharded_init(): built whole.
 
 Also owns the one refusal that follows from it: ZeRO-3 with zero3_init_flag off loads a pretrained model whole on
 every process before partitioning it, which is stopped when the processes cannot hold it (check_whole_model_fits).
@@ -26,12 +29,16 @@ BUILT_WHOLE = "built whole on every process"  # any model built outside sharded_
 
 
 @contextlib.contextmanager
-def sharded_building(accelerator, from_pretrained=False):
+def sharded_building(accelerator, from_pretrained=False, quantized=False):
     """Build the model inside; yields how it is built (the summary's model_init). from_pretrained: a Hugging
     Face model loaded inside, which enters zero.Init itself (transformers reads the Accelerator's ZeRO-3
-    settings) and writes its own weights."""
+    settings) and writes its own weights; quantized: loaded quantised (see the module's docstring)."""
     plugin = accelerator.state.deepspeed_plugin
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin.zero_stage == 3 and plugin.zero3_init_flag:
+    zero3 = accelerator.distributed_type == DistributedType.DEEPSPEED and plugin.zero_stage == 3
+    if from_pretrained and quantized:
+        sharded = zero3 or accelerator.distributed_type == DistributedType.FSDP
+        yield "loaded whole and quantised by every process, sharded by prepare()" if sharded else BUILT_WHOLE
+    elif zero3 and plugin.zero3_init_flag:
         import deepspeed
         how = "loaded (transformers, zero.Init)" if from_pretrained else "built (zero.Init)"
         with contextlib.nullcontext() if from_pretrained else deepspeed.zero.Init(

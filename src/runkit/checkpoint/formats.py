@@ -8,10 +8,10 @@ process and DDP, "deepspeed" for ZeRO 0-3, "fsdp" for FSDP2, sharded or full sta
   the model, the optimizer, each rank's RNG state and done marker, FSDP's per-rank buffers, DeepSpeed's extras;
 * how the keys of a checkpoint's model file read back, through the held descriptor (model_keys);
 * LoRA's frozen-weights rule (FrozenRule): frozen parameters are loaded again from the model the run starts from,
-  which the resume rules pin, so a save leaves them out where the engine allows (the model file without DeepSpeed
-  or FSDP: a save hook; DeepSpeed's module files: exclude_frozen_parameters; FSDP's sharded save takes the whole
-  state dict, accelerate has no filter for it), the load is then not strict, and a checkpoint's model file must
-  hold exactly what trains: the adapters, no frozen weight.
+  which the resume rules pin, so a save leaves them out (the model file without DeepSpeed or FSDP: a save hook;
+  DeepSpeed's module files: exclude_frozen_parameters; FSDP2: accelerate's own adapter_only save and load of a PEFT
+  model, which its save_state does not ask for: adapters_only), the load is then not strict, and a checkpoint's
+  model file must hold exactly what trains: the adapters, no frozen weight.
 A new engine is one more Format here.
 """
 
@@ -142,7 +142,33 @@ class Fsdp(Format):
         return needed, []
 
     def frozen_kwargs(self, accelerator, frozen):
-        return {}, {}, set()  # the whole model is saved and loaded strictly: nothing to check in its files
+        adapters_only(accelerator)
+        return {}, {}, set()  # the model's folder is torch.distributed.checkpoint's: its keys are not read here
+
+
+def adapters_only(accelerator):
+    """FSDP2, a model with frozen parameters (PEFT's): this accelerator's save_state and load_state write and read the
+    model's adapters only, sharded as they are (accelerate's save_fsdp_model and load_fsdp_model with adapter_only:
+    PEFT's state dict of the model under SHARDED_STATE_DICT, the trainable part under FULL_STATE_DICT), where they
+    took the whole model, frozen base included (a 4-bit one too); the optimizer and the rest as before. accelerate's
+    save_state has no argument for it: the two functions it calls are given adapter_only while it runs."""
+    import functools
+
+    import accelerate.accelerator as calls
+
+    def adapter_only(method):
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            own = calls.save_fsdp_model, calls.load_fsdp_model
+            calls.save_fsdp_model, calls.load_fsdp_model = (functools.partial(f, adapter_only=True) for f in own)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                calls.save_fsdp_model, calls.load_fsdp_model = own
+        return call
+
+    accelerator.save_state = adapter_only(accelerator.save_state)
+    accelerator.load_state = adapter_only(accelerator.load_state)
 
 
 FORMATS = {f.family: f for f in (Full(), DeepSpeed(), Fsdp())}

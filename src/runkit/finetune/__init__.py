@@ -5,6 +5,7 @@
     pretrained.py    a pretrained Hugging Face model, loaded for a fine-tune under every engine
     weights.py       its weight files checked and fingerprinted without loading them
     lora.py          low-rank adapters through PEFT, on a frozen base, and their merge
+    qlora.py         QLoRA: that base frozen in 4 bits (NF4, bitsandbytes), sharded, and dequantised for the merge
     chunked_loss.py  the next-token loss through the output layer in chunks: the logits never whole
     loss_flags.py    --loss-chunks (the standard library only: --help answers without torch)
     ulysses.py       Ulysses sequence parallelism: one sequence over several GPUs

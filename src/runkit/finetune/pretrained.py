@@ -5,8 +5,8 @@ on the meta device) and with the weight files' check (finetune/weights.py), and 
 hub id or directory that cannot be read; transformers told never to run a directory's own code (NO_CODE); the
 weights, loaded in the dtype a full or LoRA fine-tune trains them in, partitioned while loaded under ZeRO-3 and
 sharded from the main process's copy under FSDP2, with the attention implementation the recipe gives its masks
-(finetune/packing.py); LoRA's adapters on top (finetune/lora.py); and the one-line note for LoRA under ZeRO-3
-on GPUs that can each hold the frozen base.
+(finetune/packing.py), or with --load-in-4bit quantised to NF4 while loaded (finetune/qlora.py); LoRA's adapters on
+top (finetune/lora.py); and the one-line note for LoRA under ZeRO-3 on GPUs that can each hold the frozen base.
 """
 
 import os
@@ -16,6 +16,7 @@ import torch
 
 from runkit.exits import one_line
 from runkit.finetune.lora import LoraProblem, with_lora
+from runkit.finetune.qlora import NF4_BYTES, for_training, quantization_config
 from runkit.finetune.weights import weights_problem
 
 # A hub id: a name, or an organisation and a name. Anything else given to --model is a path.
@@ -70,12 +71,17 @@ def load_model(args, run, mixed_precision, attention):
     dtype = torch.float32
     if args.lora_r:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+    # QLoRA: the decoder's linear layers quantised to NF4 while loaded, stored in the compute dtype (qlora.py)
+    quantized = {"quantization_config": quantization_config(dtype)} if args.load_in_4bit else {}
     try:
-        with run.sharded_init(from_pretrained=True):  # ZeRO-3: partitioned while loaded; FSDP2: main's copy sharded
+        # ZeRO-3: partitioned while loaded; FSDP2: main's copy sharded; 4-bit: every process's own copy, then sharded
+        with run.sharded_init(from_pretrained=True, quantized=args.load_in_4bit):
             model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=dtype,
-                                                         attn_implementation=attention, **NO_CODE)
+                                                         attn_implementation=attention, **quantized, **NO_CODE)
     except Exception as exc:  # noqa: BLE001 - a weight file transformers refuses: one line, never a traceback
         run.fail(f"cannot load the weights of {args.model!r}: {one_line(f'{type(exc).__name__}: {exc}', limit=300)}")
+    if args.load_in_4bit:
+        for_training(model)  # bitsandbytes' 4-bit layers set for training and for LoRA's checkpoints (qlora.py)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # no generation cache while training
@@ -93,7 +99,7 @@ def zero3_lora_note(args, run, accelerator, n_params, dtype):
     gather it layer by layer in every forward and backward (docs/configs.md)."""
     if not (args.lora_r and run.engine_facts["deepspeed_stage"] == 3 and accelerator.device.type == "cuda"):
         return
-    base_gb = n_params * dtype.itemsize / 1e9
+    base_gb = n_params * (NF4_BYTES if args.load_in_4bit else dtype.itemsize) / 1e9  # 4-bit: the linear layers' rate
     index = accelerator.device.index if accelerator.device.index is not None else torch.cuda.current_device()
     gpu_gb = torch.cuda.get_device_properties(index).total_memory / 1e9  # one process: "cuda", no index
     if base_gb < gpu_gb / 2:
