@@ -346,12 +346,13 @@ def test_help_and_a_wrong_flag_answer_before_torch_is_imported(tmp_path):
     torchvision or transformers: --help exits 0 and a wrong flag 2 with none of them imported."""
     runs = [(str(recipe), args) for recipe in RECIPES for args in (["--help"], ["--no-such-flag"])]
     runs.append((str(REPO / "recipes" / "finetune_lm.py"), ["--merge-lora"]))  # LoRA flags without --lora-r
+    runs.append((str(REPO / "recipes" / "finetune_lm.py"), ["--load-in-4bit"]))  # QLoRA without --lora-r
     out = tmp_path / "imports.json"
     result = subprocess.run([sys.executable, "-c", IMPORTS_PROBE, str(out), json.dumps(runs)], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(out.read_text())
-    assert len(found) == 2 * len(RECIPES) + 1 >= 19, found
+    assert len(found) == 2 * len(RECIPES) + 2 >= 20, found
     for command, (code, imported) in found.items():
         assert code == (0 if command.endswith("--help") else 2), (command, code)
         assert imported == [], f"{command} imported {imported} before argparse answered"

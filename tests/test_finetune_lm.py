@@ -529,8 +529,9 @@ def test_full_lora_packed_and_padded_runs_keep_their_own_output_directories():
     accelerator = Accelerator(cpu=True)
     dirs = {default_output_dir(parse_args(flags), accelerator)
             for flags in ([], ["--lora-r", "16"], ["--lora-r", "8"], ["--no-packing"],
-                          ["--lora-r", "16", "--no-packing"])}
-    assert len(dirs) == 5 and "runs/finetune_lm/1proc" in dirs and "runs/finetune_lm/1proc-lora-r16" in dirs
+                          ["--lora-r", "16", "--no-packing"], ["--lora-r", "16", "--load-in-4bit"])}
+    assert len(dirs) == 6 and "runs/finetune_lm/1proc" in dirs and "runs/finetune_lm/1proc-lora-r16" in dirs
+    assert "runs/finetune_lm/1proc-qlora-r16" in dirs  # QLoRA trains another model than LoRA (issue 44)
 
 
 def test_lora_prints_no_library_warning_before_the_first_line(hf):
