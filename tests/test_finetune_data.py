@@ -3,7 +3,7 @@ never in the loss), chat conversations learned on their assistant turns only, th
 values of the wrong type refused with one message (DataProblem), the examples --block-size cuts counted, and a
 --block-size that fits the model by default.
 
-Most of it runs in this process on tests/tiny_hf.py's tokenizer (its chat template has {% generation %} markers;
+Most of it runs in this process on tests/helpers/tiny_hf.py's tokenizer (its chat template has {% generation %} markers;
 copies without markers and without a template); two runs of the recipe (python, one process) check what only a
 run shows: a refusal without a traceback, and a chat fine-tune's summary.
 """

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from launching import (
+    CPU_SHIM,
     DATA_ARGS,
     EXPECTED,
     REPO,
@@ -40,7 +41,7 @@ _real_first_host = slurm_launch.first_host  # the autouse fixture below replaces
 
 
 def captured(name):
-    """An environment captured inside a real job of tests/slurm_cluster.py (see fixtures/slurm_env)."""
+    """An environment captured inside a real job of tests/helpers/slurm_cluster.py (see fixtures/slurm_env)."""
     env = {}
     for line in (FIXTURES / f"{name}.env").read_text().splitlines():
         key, _, value = line.partition("=")
@@ -459,7 +460,7 @@ def test_two_node_finetune_under_zero3(two_nodes, tmp_path):
             "4", "--batch-size", "16", "--log-every", "1", "--sample-tokens", "0"]
     state, log, _ = submit(two_nodes, ["launch/multinode.sbatch", "--processes-per-node=1"],
                            [str(fp32_config(tmp_path, "deepspeed_zero3.yaml")), "recipes/finetune_lm.py"], None,
-                           tmp_path / "out", env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")}, recipe_args=args)
+                           tmp_path / "out", env={"PYTHONPATH": str(CPU_SHIM)}, recipe_args=args)
     assert state == "COMPLETED", log
     s = summary(tmp_path / "out")
     assert (s["world_size"], s["deepspeed_stage"], s["steps"]) == (2, 3, 4)
@@ -489,7 +490,7 @@ def test_per_gpu_mode_on_two_nodes(two_nodes, data_dir, tmp_path, reference, con
     ref, _ = reference(config)
     out = tmp_path / "out"
     state, log, _ = submit(two_nodes, PER_GPU_TWO_NODES, [str(fp32_config(tmp_path, config)), RECIPE], data_dir,
-                           out, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")},  # its CPU route (launching.py)
+                           out, env={"PYTHONPATH": str(CPU_SHIM)},  # its CPU route (launching.py)
                            training=TRAINING)
     assert state == "COMPLETED", log
     s = summary(out)
@@ -556,7 +557,7 @@ def test_shell_scripts_are_clean():
 
 # --- preemption and time limits: the templates requeue a stopped job, which resumes ------------------
 
-CPU_ROUTE_DDP = {"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(REPO / "tests" / "cpu_shim")}
+CPU_ROUTE_DDP = {"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(CPU_SHIM)}
 
 
 def fp32_config(tmp_path, name="2gpu.yaml"):

@@ -663,7 +663,7 @@ def test_finetune_killed_rank_then_resume_is_exact(lora, start, hf, tmp_path):
     run.wait_until(lambda: run.steps_logged() >= 4 and len(run.workers()) == 2, "step 4")
     os.kill(next(pid for pid in run.workers() if rank_of(pid) == 1), signal.SIGKILL)
     assert run.finish() != 0 and run.left == []
-    code, output = run_command(run.proc.args, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")})
+    code, output = run_command(run.proc.args, env={"PYTHONPATH": str(REPO / "tests" / "helpers" / "cpu_shim")})
     assert code == 0, output[-4000:]
     resumed = LaunchResult(code, output, run.log_path.parent)
     assert resumed.summary["resumed_from_step"] in (3, 6)
