@@ -181,8 +181,10 @@ def test_lora_adapter_loads_with_peft(lora, hf, config):
 def test_a_lora_run_on_a_base_whose_weights_were_replaced_is_refused(hf, tmp_path):
     """Issue 41, item 2: a LoRA checkpoint recorded its base as a path only, and the same command resumed onto
     another model's weights in silence (an adapter trained on two bases). Now the checkpoint holds the base's
-    fingerprint: the same command again, after the weights in --model were replaced, is refused in one line (exit 2
-    from python; 1 under accelerate launch), and the documented adapter snippet's check_base refuses the adapter."""
+    fingerprint: the run continued (--max-steps 3 -> 6) after the weights in --model were replaced is refused in one
+    line (exit 2 from python; 1 under accelerate launch), and the documented adapter snippet's check_base refuses the
+    adapter. The finished run's own command again trains nothing whatever the base holds now (it says the run is
+    complete, before any model loads)."""
     from transformers import AutoTokenizer
 
     from runkit.finetune.weights import WeightsProblem, check_base
@@ -195,7 +197,9 @@ def test_a_lora_run_on_a_base_whose_weights_were_replaced_is_refused(hf, tmp_pat
     check_base(out / "adapter", str(base))  # its own base: accepted
     write_model(tmp_path / "other", AutoTokenizer.from_pretrained(base), seed=1)  # the same shapes, other weights
     shutil.copy(tmp_path / "other" / "model.safetensors", base / "model.safetensors")
-    again = LaunchResult(*run_command(cmd), out)
+    complete = LaunchResult(*run_command(cmd), out)
+    assert complete.returncode == 0 and "this run is already complete" in complete.output, complete.output[-3000:]
+    again = LaunchResult(*run_command([*cmd, "--max-steps", "6"]), out)
     assert again.returncode == 2, again.output[-3000:]
     assert_refused(again, f"step-00000003: its LoRA adapters were trained on other base weights than --model {base} "
                           f"holds now")
