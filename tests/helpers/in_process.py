@@ -5,7 +5,7 @@ What a process of its own would give back is given back here: its exit code (Sys
 it printed (stdout and stderr, as Python writes them), and its exit handlers run when it ends (a run releases its
 --checkpoint-dir lock in one), so that "nothing left behind" is checked as after a real exit. What a run changes in its
 process is put back afterwards: the environment, the stop signals' handlers, the accelerate state, the working
-directory. A run that would hang fails the test after `timeout` seconds instead (SIGALRM interrupts a blocking open).
+directory, the random number generators. A run that would hang fails the test after `timeout` seconds instead (SIGALRM interrupts a blocking open).
 
 Each refusal checked this way keeps one real launch elsewhere that shows its line and exit code from a process of its
 own (the test that uses this module names it).
@@ -33,7 +33,13 @@ class Hung(Exception):
 def kept_process_state(timeout=None):
     """Whatever a recipe's main() changes in this process is put back when the block ends; yields the exit handlers
     it registered, which run then (in reverse order, as at interpreter exit)."""
+    import random
+
+    import numpy as np
+    import torch
+
     environ, cwd = dict(os.environ), os.getcwd()
+    rngs = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
     handlers = {number: signal.getsignal(number) for number in (*STOP_SIGNALS, signal.SIGALRM)}
     registered, register = [], atexit.register
 
@@ -65,6 +71,9 @@ def kept_process_state(timeout=None):
             os.chdir(cwd)
             os.environ.clear()
             os.environ.update(environ)
+            random.setstate(rngs[0])
+            np.random.set_state(rngs[1])
+            torch.random.set_rng_state(rngs[2])
 
 
 def run_main(recipe, argv, timeout=120):
