@@ -165,6 +165,19 @@ EXPECTED = {
 OFFLOAD = "deepspeed_zero3_offload.yaml"  # the config that swaps the optimizer for DeepSpeed's CPU Adam
 
 
+def process_group(config):
+    """What a config makes of the processes on this CPU machine: (distributed type, world size)."""
+    return EXPECTED[config][:2]
+
+
+# pi.py and data_sharding.py build no model and no optimizer: what a config changes for them is only the process group
+# it makes, so each runs under one config of every (distributed type, world size) the shipped configs make (4 kinds,
+# not 11 configs; test_configs.py keeps the lists complete as configs are added). cpu.yaml (and 2gpu.yaml for
+# data_sharding) are their references anyway; the others are spread so that the two recipes meet different configs.
+NO_MODEL_CONFIGS = {"pi": ["cpu.yaml", "multinode.yaml", "deepspeed_zero3_offload.yaml", "fsdp.yaml"],
+                    "data_sharding": ["cpu.yaml", "2gpu.yaml", "deepspeed_zero1.yaml", "fsdp.yaml"]}
+
+
 def recipe_args(recipe, config, data):
     """The matrix run's arguments: small, fp32 where runs are compared, checkpoints where resumes are tested."""
     ckpt = ["--checkpoint-dir", str(data / f"ckpt-{recipe}-{config}"), "--keep-last", "0"]
