@@ -48,6 +48,9 @@ import yaml
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "launch"))
+from precision import deepspeed_json_in  # noqa: E402  (launch/: the one copy of a DeepSpeed JSON in a precision)
+
 CONFIGS = REPO / "accelerate_configs"
 CPU_SHIM = REPO / "cpu_route"
 MULTI_PROCESS_CONFIGS = ["2gpu.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
@@ -209,26 +212,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def deepspeed_json_in(config, precision, out_dir, overrides=None):
-    """With a DeepSpeed JSON only the JSON sets the dtype (accelerate ignores --mixed_precision next to it):
-    the path of a copy of `config`'s JSON in `precision` ("no", "bf16", "fp16"), written into out_dir, or
-    None for a config without a JSON. Nothing else in the copy changes but `overrides` ({section: {key: value}},
-    a variant's). Used by the benchmark and the tests."""
-    ds_file = (load_config(config).get("deepspeed_config") or {}).get("deepspeed_config_file")
-    if not ds_file:
-        return None
-    ds = json.loads((REPO / ds_file).read_text())
-    for dtype in ("bf16", "fp16"):
-        ds[dtype] = {"enabled": precision == dtype}
-    for section, values in (overrides or {}).items():
-        ds[section].update(values)
-    suffix = "".join(f".{k}-{v}" for values in (overrides or {}).values() for k, v in values.items())
-    copy = Path(out_dir) / f"{Path(ds_file).stem}.{precision}{suffix}.json"
-    copy.parent.mkdir(parents=True, exist_ok=True)
-    copy.write_text(json.dumps(ds, indent=1))
-    return copy
 
 
 def config_launch(config, processes, on_gpu, mixed_precision, out):

@@ -12,12 +12,11 @@ FSDP (fp32), --runs times each, --parallel launches at a time (a loaded machine 
 often), and counts per script and config the launches whose output shows a process that aborted or
 crashed, and the launches that failed otherwise. It prints the table and exits 1 if any launch aborted or
 failed. It is not part of the test suite (300 launches take about an hour on 2 cores); the suite checks
-every one of its own launches the same way (tests/launching.py, check_exit).
+every one of its own launches the same way (tests/helpers/launching.py, check_exit).
 """
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -26,14 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "recipes"))
 from benchmark import deepspeed_json_in, free_port  # noqa: E402
 from runkit.data.synthetic_mnist import write_synthetic_mnist  # noqa: E402
+from runkit.exits import SELF_INFLICTED  # noqa: E402  (the pattern the tests' check_exit looks for too)
 
-# A process that ended itself by a signal: C++'s std::terminate, a segfault... torchrun's failure report names the
-# signal. tests/launching.py's check_exit uses the same pattern for every launch of the suite.
-SELF_INFLICTED = re.compile(r"terminate called[^\n]*|Signal \d+ \((?:SIGABRT|SIGSEGV|SIGBUS|SIGILL|SIGFPE)\)[^\n]*"
-                            r"|exitcode\s*:\s*-(?:6|11|7|4|8)\b[^\n]*|Segmentation fault|Aborted \(core dumped\)")
 CONFIGS = ["2gpu.yaml", "deepspeed_zero2.yaml", "fsdp.yaml"]
 SCRIPTS = {
     "quickstart": ["recipes/quickstart/with_accelerate.py", "--epochs", "1", "--batch-size", "64"],

@@ -278,7 +278,7 @@ def run_part(cmd, seconds_left, log_path, grace_s=None):
 
 
 def chat_conversations(n=CHATS, seed=0):
-    """Conversations in the tests' style (tests/tiny_hf.py) with uneven lengths, as chat data has: one to three
+    """Conversations in the tests' style (tests/helpers/tiny_hf.py) with uneven lengths, as chat data has: one to three
     exchanges, each answer counting on from a number for 1 to 300 words drawn log-uniformly, so most are short
     and a few fill a 1024-token block (the longest are cut)."""
     rng = random.Random(seed)
@@ -300,7 +300,7 @@ def write_finetune_inputs(root, shape=LLAMA_1B, device="cuda"):
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
     from tiny_hf import corpus, write_tokenizer  # the tests' byte-level BPE and chat template
     llama, chats = root / "llama", root / "chats.jsonl"
     tokenizer = write_tokenizer(llama, [p + r for p, r in corpus()])
@@ -333,7 +333,7 @@ def write_inputs(out, parts):
     inputs, facts = {}, {}
     needs = " ".join(arg for part in parts for arg in part.args)
     if "{images}" in needs:
-        sys.path.insert(0, str(REPO / "tests"))
+        sys.path.insert(0, str(REPO / "tests" / "helpers"))
         from image_folder import write_image_folder  # the tests' striped-image classes
         inputs["images"] = root / "images"
         if not (inputs["images"] / "train").exists():

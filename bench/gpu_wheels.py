@@ -51,9 +51,10 @@ CARRY = {
     "bitsandbytes": "0.50.2",  # QLoRA's 4-bit weights (the table's place for it waits for the recipe's flag)
 }
 BUILT_HERE = {"deepspeed"}  # a source package only: built into a pure-Python wheel with DS_BUILD_OPS=0
-# Checked after the install: the carried ones, the image's that they import (named in issue 42), and the pack's.
-IMPORTS = ["deepspeed", "datasets", "bitsandbytes", "hjson", "pydantic", "dill", "multiprocess", "einops", "msgpack",
-           "pyarrow", "xxhash", "pandas", "accelerate", "transformers", "peft", "xdist"]
+# Checked after the install: this tree's runkit, the carried ones, the image's that they import (named in issue 42),
+# and the pack's.
+IMPORTS = ["runkit", "deepspeed", "datasets", "bitsandbytes", "hjson", "pydantic", "dill", "multiprocess", "einops",
+           "msgpack", "pyarrow", "xxhash", "pandas", "accelerate", "transformers", "peft", "xdist"]
 PYTHON = "3.12"  # the image's Python (3.12.3)
 TARGET = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.3", "sys_platform": "linux",
           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
@@ -278,6 +279,15 @@ def import_check(python, modules, carry, target=None):
     return json.loads(line[len(IMPORT_MARK):])
 
 
+def tree_importable(python):
+    """This tree's runkit (src/runkit), importable by `python` as if installed editable (`pip install -e .` does the
+    same: a .pth file naming src/ in its site-packages), with no build step and no index: the recipes import it, and
+    whatever the working tree holds when the call starts is what runs."""
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "runkit-tree.pth").write_text(f"{REPO / 'src'}\n")
+
+
 def install(wheels=WHEELS, python=sys.executable, target=None, carry=None, imports=None):
     """Offline install of the carried wheels, then the import check (module docstring). Raises Refused."""
     carry, imports = CARRY if carry is None else carry, IMPORTS if imports is None else imports
@@ -290,6 +300,8 @@ def install(wheels=WHEELS, python=sys.executable, target=None, carry=None, impor
         errors = [x for x in proc.stderr.splitlines() if x.strip() and "WARNING" not in x]
         raise Refused(f"pip could not install {wheels} offline: {errors[-1] if errors else proc.returncode} "
                       f"({TO_PREPARE})")
+    if target is None:
+        tree_importable(python)
     result = import_check(python, imports, list(carry), target)
     if result["failed"]:
         module, error = next(iter(result["failed"].items()))

@@ -3,8 +3,8 @@ and real tokens/s, on uneven chat data, --packing and --no-packing.
 
     python bench/packing_cpu.py [--width 256] [--layers 4] [--block-size 256] [--steps 12] [--batch-size 8]
 
-Builds a random Llama (tests/tiny_hf.py's tokenizer and model writer, at the width and depth given) and 800
-conversations of one to three question/answer exchanges (tests/tiny_hf.py's chat.jsonl generator), then runs
+Builds a random Llama (tests/helpers/tiny_hf.py's tokenizer and model writer, at the width and depth given) and 800
+conversations of one to three question/answer exchanges (tests/helpers/tiny_hf.py's chat.jsonl generator), then runs
 `python recipes/finetune_lm.py` twice, one process, fp32, with the same flags but --packing/--no-packing, and
 prints what each run's summary and metrics say. Printed figures, not a test: the CPU shows the direction (how
 much of a padded block is padding, and what packing buys per real token); the GPU's figures come from
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 
 def parse_args(argv=None):

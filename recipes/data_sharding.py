@@ -36,13 +36,20 @@ import json
 import os
 import sys
 
-from runkit import flags
+
+def one_line_errors(parser):
+    """A wrong flag as one line naming --help, from the main process only (every process parses the same flags)."""
+    def error(message):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{parser.prog}: error: {message} (python3 {sys.argv[0]} --help lists the flags)", file=sys.stderr)
+        sys.exit(2)
+    parser.error = error
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    flags.one_line_errors(p)  # a wrong flag: one line, from the main process only
+    one_line_errors(p)
     p.add_argument("--dataset-size", type=int, default=23, help="samples 0..N-1 (odd by default, on purpose)")
     p.add_argument("--batch-size", type=int, default=4, help="GLOBAL batch, split across all processes")
     p.add_argument("--epochs", type=int, default=2, help="epochs whose shards are shown")
@@ -63,16 +70,54 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
 from torch.utils.data import DataLoader
 
-from runkit import engines, exits, refusals, reporting
+
+def checked_launch(**kwargs):
+    """The Accelerator, once this launch cannot make each process run alone: more processes on a node than it has
+    GPUs, or a launcher that started processes accelerate did not join into one group. One line, exit 2."""
+    local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if gpus and local > gpus and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes"):
+        sys.exit(f"error: this node has {gpus} GPU(s) and the launch starts {local} processes on it: pass "
+                 f"--num_processes {gpus} to accelerate launch")
+    accelerator = Accelerator(**kwargs)
+    if accelerator.num_processes != int(os.environ.get("WORLD_SIZE", "1")):
+        sys.exit(f"error: the launcher started {os.environ['WORLD_SIZE']} processes and accelerate set up "
+                 f"{accelerator.num_processes}: on a CPU, launch with ACCELERATE_USE_CPU=1 (docs/configs.md)")
+    return accelerator
+
+
+def write_summary(accelerator, output_dir, fields):
+    """Main process: summary.json, and its SUMMARY line for scripts to grep."""
+    if accelerator.is_main_process:
+        stage = accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else None
+        summary = {"recipe": "data_sharding", "distributed_type": accelerator.distributed_type.value,
+                   "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+                   "deepspeed_stage": stage, **fields}
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print("SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "args"}), flush=True)
+
+
+def end(accelerator):
+    """Every process ends here. With several, without Python's interpreter finalization: a gloo thread that drops
+    its last reference then can abort the process after its work is done (docs/troubleshooting.md, torch #190489)."""
+    accelerator.end_training()
+    if accelerator.num_processes > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
 
 
 def main(argv=None):
     args = parse_args(argv)
-    refusals.check_gpus_before_start()  # before Accelerator(): what the launch alone decides
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
-    refusals.check_launch(accelerator)
-    refusals.check_batch(accelerator, args.batch_size)
-    log = exits.main_print(accelerator)
+    accelerator = checked_launch(
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True))
+    if args.batch_size % accelerator.num_processes:  # split_batches: each process takes its slice of a global batch
+        sys.exit(f"error: --batch-size {args.batch_size} is the global batch and must divide by the "
+                 f"{accelerator.num_processes} processes: give --batch-size "
+                 f"{max(1, args.batch_size // accelerator.num_processes) * accelerator.num_processes}")
+    log = accelerator.print  # once, from the main process
     if not args.unseeded:
         set_seed(args.seed)  # before building the loader: the sampler takes its seed from here
     dataset = torch.arange(args.dataset_size)
@@ -106,14 +151,13 @@ def main(argv=None):
         os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, "shards.json"), "w") as f:
             json.dump(epochs, f)
-        reporting.write_summary(args.output_dir, {
-            "recipe": "data_sharding", **engines.engine_facts(accelerator),
-            "steps_per_epoch": [len(e["batches_per_rank"][0]) for e in epochs],
-            "samples_per_rank": epochs[0]["samples_per_rank"], "repeated_per_epoch": [e["repeated"] for e in epochs],
-            "missing_per_epoch": [len(e["missing"]) for e in epochs],
-            "evaluated_per_epoch": [len(e["evaluated"]) for e in epochs], "args": vars(args)})
+    write_summary(accelerator, args.output_dir, {
+        "steps_per_epoch": [len(e["batches_per_rank"][0]) for e in epochs],
+        "samples_per_rank": epochs[0]["samples_per_rank"], "repeated_per_epoch": [e["repeated"] for e in epochs],
+        "missing_per_epoch": [len(e["missing"]) for e in epochs],
+        "evaluated_per_epoch": [len(e["evaluated"]) for e in epochs], "args": vars(args)})
     del loader
-    return exits.teardown(accelerator, 0)
+    return end(accelerator)
 
 
 if __name__ == "__main__":

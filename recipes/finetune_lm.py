@@ -6,12 +6,12 @@
         --model ./my-llama-8b --data-files 'books/*.txt' --gradient-checkpointing
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/finetune_lm.py \\
         --model Qwen/Qwen2.5-7B-Instruct --data-files chat.jsonl --lora-r 16 --lr 2e-4 --merge-lora   # LoRA
-    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/finetune_lm.py --model ./my-llama-70b \
-        --data-files chat.jsonl --lora-r 16 --lr 2e-4 --load-in-4bit --gradient-checkpointing --block-size 8192 \
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/finetune_lm.py --model ./my-llama-70b \\
+        --data-files chat.jsonl --lora-r 16 --lr 2e-4 --load-in-4bit --gradient-checkpointing --block-size 8192 \\
         --batch-size 2   # QLoRA
-    python tests/tiny_hf.py /tmp/tiny && OMP_NUM_THREADS=1 python recipes/finetune_lm.py --model /tmp/tiny/model \\
-        --data-files /tmp/tiny/pairs.jsonl --block-size 32 --max-steps 300 --batch-size 16 --lr 3e-3 \\
-        --output-dir runs/tiny-pairs   # CPU
+    python tests/helpers/tiny_hf.py /tmp/tiny && OMP_NUM_THREADS=1 python recipes/finetune_lm.py \\
+        --model /tmp/tiny/model --data-files /tmp/tiny/pairs.jsonl --block-size 32 --max-steps 300 --batch-size 16 \\
+        --lr 3e-3 --output-dir runs/tiny-pairs   # CPU
     OMP_NUM_THREADS=1 python recipes/finetune_lm.py --model /tmp/tiny/model --data-files /tmp/tiny/chat.jsonl \\
         --max-steps 300 --batch-size 16 --lr 3e-3 --output-dir runs/tiny-chat   # CPU, chat
     OMP_NUM_THREADS=1 python recipes/finetune_lm.py --model runs/tiny-pairs/model --data-files /tmp/tiny/chat.jsonl \\

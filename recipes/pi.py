@@ -20,18 +20,26 @@ Result: error 8.3e-12 at N = 1e5, under 1e-15 from N = 1e7, measured 2026-11-22 
 """
 
 import argparse
+import json
 import math
 import os
 import sys
 import time
 
-from runkit import flags
+
+def one_line_errors(parser):
+    """A wrong flag as one line naming --help, from the main process only (every process parses the same flags)."""
+    def error(message):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{parser.prog}: error: {message} (python3 {sys.argv[0]} --help lists the flags)", file=sys.stderr)
+        sys.exit(2)
+    parser.error = error
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    flags.one_line_errors(p)  # a wrong flag: one line, from the main process only
+    one_line_errors(p)
     p.add_argument("--intervals", default="1e3,1e5,1e7",
                    help="comma-separated interval counts N (scientific notation allowed)")
     p.add_argument("--output-dir", default="runs/pi", help="summary.json")
@@ -51,7 +59,43 @@ if __name__ == "__main__":
 import torch
 from accelerate import Accelerator
 
-from runkit import engines, exits, refusals, reporting
+
+def checked_launch(**kwargs):
+    """The Accelerator, once this launch cannot make each process run alone: more processes on a node than it has
+    GPUs, or a launcher that started processes accelerate did not join into one group. One line, exit 2."""
+    local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if gpus and local > gpus and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes"):
+        sys.exit(f"error: this node has {gpus} GPU(s) and the launch starts {local} processes on it: pass "
+                 f"--num_processes {gpus} to accelerate launch")
+    accelerator = Accelerator(**kwargs)
+    if accelerator.num_processes != int(os.environ.get("WORLD_SIZE", "1")):
+        sys.exit(f"error: the launcher started {os.environ['WORLD_SIZE']} processes and accelerate set up "
+                 f"{accelerator.num_processes}: on a CPU, launch with ACCELERATE_USE_CPU=1 (docs/configs.md)")
+    return accelerator
+
+
+def write_summary(accelerator, output_dir, fields):
+    """Main process: summary.json, and its SUMMARY line for scripts to grep."""
+    if accelerator.is_main_process:
+        stage = accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else None
+        summary = {"recipe": "pi", "distributed_type": accelerator.distributed_type.value,
+                   "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+                   "deepspeed_stage": stage, **fields}
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print("SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "args"}), flush=True)
+
+
+def end(accelerator):
+    """Every process ends here. With several, without Python's interpreter finalization: a gloo thread that drops
+    its last reference then can abort the process after its work is done (docs/troubleshooting.md, torch #190489)."""
+    accelerator.end_training()
+    if accelerator.num_processes > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
 
 CHUNK = 10_000_000  # intervals evaluated at once: 80 MB of float64, whatever N is
 
@@ -68,10 +112,8 @@ def partial_sum(first, last, n, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    refusals.check_gpus_before_start()  # before Accelerator(): what the launch alone decides
-    accelerator = Accelerator()
-    refusals.check_launch(accelerator)
-    log = exits.main_print(accelerator)
+    accelerator = checked_launch()
+    log = accelerator.print  # once, from the main process
     rank, world = accelerator.process_index, accelerator.num_processes
     log(f"{accelerator.distributed_type.value} | {world} process{'es' if world != 1 else ''} on "
         f"{accelerator.device.type}")
@@ -93,11 +135,8 @@ def main(argv=None):
         results.append(row)
         log(f"N = {n:.0e} | pi = {pi:.16f} | error {row['error']:+.2e} | {elapsed:.3f} s | per rank: "
             + ", ".join(f"rank {r} {int(c)} intervals in {t:.3f} s" for r, (c, t) in enumerate(shares)))
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        reporting.write_summary(args.output_dir, {"recipe": "pi", **engines.engine_facts(accelerator),
-                                                  "results": results, "args": vars(args)})
-    return exits.teardown(accelerator, 0)
+    write_summary(accelerator, args.output_dir, {"results": results, "args": vars(args)})
+    return end(accelerator)
 
 
 if __name__ == "__main__":

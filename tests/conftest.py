@@ -1,6 +1,7 @@
 """The pytest fixtures shared by the test files: the synthetic data, cached launches, the uninterrupted
 reference runs, runs started in the background, the matrix runs of the smaller recipes, and finetune_lm.py's
-tiny model with its cached runs (test_finetune_lm.py, and the stops in test_stop_and_crash.py).
+tiny model with its cached runs (test_finetune_lm.py, and the stops in test_stop_and_crash.py); DeepSpeed's CPU ops,
+built once before the first slow test, their time reported on its own at the end of the run.
 
 What they are built on (the CPU route, launch commands, LaunchResult, Background) is in launching.py.
 """
@@ -10,12 +11,14 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from image_folder import write_image_folder
 from launching import (
+    CPU_SHIM,
     FP32,
     LORA,
     REPO,
@@ -32,6 +35,44 @@ from launching import (
     write_corpus,
 )
 from tiny_hf import write_all
+
+# What a DeepSpeed launch on the CPU route compiles on first use in a fresh environment (cpu_route/sitecustomize.py:
+# deepspeed_shm_comm at start-up, cpu_adam for optimizer offload), through the very calls the launches make.
+BUILD_DEEPSPEED_OPS = """
+from deepspeed.comm.torch import build_shm_op
+from deepspeed.ops.op_builder import CPUAdamBuilder
+assert build_shm_op() is not None, "deepspeed_shm_comm is not compatible here"
+CPUAdamBuilder().load()
+"""
+DEEPSPEED_OPS = pytest.StashKey()
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops(pytestconfig):
+    """DeepSpeed's CPU ops built before any launch needs them, in a process of their own that takes the CPU route as a
+    DeepSpeed worker does (the same extensions directory, cpu_route's announcement of a real build): a fresh
+    environment compiles them once (40 s to 2 minutes idle, minutes on a busy machine), here, instead of inside
+    the first DeepSpeed launch's time limit. The time is reported on its own at the end of the run (the terminal
+    summary), and is the setup time of the first slow test in the duration list."""
+    started = time.monotonic()
+    code, output = run_command([sys.executable, "-c", BUILD_DEEPSPEED_OPS], timeout=1800,
+                               env={"PYTHONPATH": str(CPU_SHIM), "LOCAL_RANK": "0", "ACCELERATE_USE_DEEPSPEED": "true"})
+    assert code == 0, f"building DeepSpeed's CPU ops failed:\n{output[-6000:]}"
+    built = [line for line in output.splitlines() if line.startswith("cpu_route: compiled ")]
+    pytestconfig.stash[DEEPSPEED_OPS] = (time.monotonic() - started, built)
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_ops_before_the_first_slow_test(request):
+    if request.node.get_closest_marker("slow"):
+        request.getfixturevalue("deepspeed_ops")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if DEEPSPEED_OPS in config.stash:
+        seconds, built = config.stash[DEEPSPEED_OPS]
+        what = "; ".join(line.removeprefix("cpu_route: ") for line in built) or "already built, nothing compiled"
+        terminalreporter.write_line(f"DeepSpeed's CPU ops, before the first slow test: {seconds:.0f} s ({what})")
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """Checkpoints, exact resume, stop signals and crashes: real launches on CPU (see launching.py's CPU route).
 
-Reference runs (one per config, fp32): 2 epochs of 10 optimizer steps, a checkpoint every 4 steps
-and at each epoch end, all kept. Resumed runs start from one of those checkpoints and must end
-bit for bit where the reference ended, having seen the same samples on every rank.
+Reference runs (one per config, fp32): 2 epochs of 10 optimizer steps, a checkpoint every 4 steps and at each epoch
+end, all kept. Resumed runs start from one of those checkpoints and must end bit for bit where the reference ended,
+having seen the same samples on every rank. The other recipes' resumes (gpt with dropout, linear_regression,
+finetune_lm's LoRA and another --grad-accum) and the resume rules' refusals follow at the end.
 """
 
 import hashlib
@@ -18,8 +19,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launching import FP32, REPO, TEST_SIZE, TRAINING, check_exit, free_port, launch_command
-from run_checks import assert_identical_params, assert_same_steps
+from launching import (
+    FINETUNE_STEPS,
+    FP32,
+    REPO,
+    TEST_SIZE,
+    TRAINING,
+    LaunchResult,
+    check_exit,
+    free_port,
+    launch_command,
+    recipe_args,
+    run_command,
+)
+from run_checks import assert_identical_params, assert_same_steps, digest
 
 pytestmark = pytest.mark.slow
 
@@ -404,3 +417,109 @@ def test_resumed_log_windows_match_and_old_checkpoints_are_pruned(launch, refere
     # The same run saved steps 16, 18 and 20 and kept the newest two (--keep-last 2).
     assert sorted(p.name for p in pruned.iterdir()) == ["step-00000018", "step-00000020"]
     assert "checkpoint saved: " + str(pruned / "step-00000016") in resumed.output
+
+
+# ---- the other recipes: their resume rules and exactness (every resume test of the suite in this file, but the
+# stops', the attacks' and Slurm's requeues) --------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_resume_must_match_every_training_flag(shelf, shelf_data):
+    """gpt's shelf run (12 steps, --checkpoint-every 4): its final checkpoint refuses a resume that changes
+    --max-grad-norm or --dropout (both once left out of a hand-written list), and the same command again
+    only says the run is complete."""
+    ref = shelf("gpt", "cpu.yaml")
+    ckpt = shelf_data / "ckpt-gpt-cpu.yaml"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == [
+        "step-00000004", "step-00000008", "step-00000012"]
+    manifest = json.loads((ckpt / "step-00000012" / "checkpoint.json").read_text())
+    # Every parsed flag is guarded except those that may change: the run services' and the sample's.
+    assert {"max_grad_norm", "dropout", "lr", "seed", "batch_size", "grad_accum"} <= set(manifest["must_match"])
+    assert not {"output_dir", "log_every", "checkpoint_dir", "resume", "prompt", "peak_tflops"} & set(
+        manifest["must_match"])
+    command, env = launch_command("cpu.yaml", None, ref.out_dir, *recipe_args("gpt", "cpu.yaml", shelf_data),
+                                  recipe="recipes/gpt.py")
+    for flag, value, saved in (("--max-grad-norm", "0.5", "1.0"), ("--dropout", "0.1", "0.0")):
+        code, output = run_command([*command, flag, value], env=env)
+        name = flag[2:].replace("-", "_")
+        # 1: accelerate's single-process launcher turns its worker's exit code 2 into its own failure.
+        assert code == 1 and f"error: cannot resume from {ckpt / 'step-00000012'}: these settings differ" in output
+        assert f"{name} {saved} vs {value}" in output, output[-3000:]
+    before = {name: digest(ref.out_dir / name) for name in ("summary.json", "metrics.jsonl", "model.safetensors")}
+    code, output = run_command(command, env=env)
+    assert code == 0 and "this run is already complete" in output and str(ref.out_dir) in output, output[-3000:]
+    assert {name: digest(ref.out_dir / name) for name in before} == before
+
+
+@pytest.mark.slow
+def test_resume_is_exact_with_dropout(shelf_data, tmp_path):
+    """Dropout draws from torch's global RNG, which a checkpoint restores; nothing else may draw from it between
+    the restore and the next step (a DataLoader's iterator once did, at the resume point). 1 process, gpt with
+    --dropout 0.1: resumed from step 4, steps 5-8 log the uninterrupted run's losses bit for bit."""
+    base = [sys.executable, str(REPO / "recipes" / "gpt.py"), *recipe_args("gpt", "cpu.yaml", shelf_data)[:-4],
+            "--dropout", "0.1", "--max-steps", "8", "--sample-tokens", "0", "--keep-last", "0"]
+    code, output = run_command([*base, "--output-dir", str(tmp_path / "whole"), "--checkpoint-dir",
+                                str(tmp_path / "ckpt")])
+    assert code == 0, output[-3000:]
+    code, output = run_command([*base, "--output-dir", str(tmp_path / "resumed"), "--checkpoint-dir",
+                                str(tmp_path / "ckpt2"), "--resume", str(tmp_path / "ckpt" / "step-00000004")])
+    assert code == 0 and "resumed from" in output, output[-3000:]
+    losses = [[(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / name / "metrics.jsonl").open())]
+              for name in ("whole", "resumed")]
+    assert losses[1] == [step for step in losses[0] if step[0] > 4] and len(losses[1]) == 4
+
+
+
+
+def test_linear_regression_resume_is_exact(shelf, shelf_data, tmp_path):
+    ref = shelf("linear_regression", "2gpu.yaml")
+    ckpt = shelf_data / "ckpt-linear_regression-2gpu.yaml" / "step-00000004"
+    # Its new checkpoints go elsewhere: the reference's directory is read by other tests.
+    out = tmp_path / "out"
+    resumed = shelf("linear_regression", "2gpu.yaml", "--resume", str(ckpt), "--output-dir", str(out),
+                    "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert f"resumed from {ckpt}" in resumed.output
+    # Every step's (m, n) as in the uninterrupted run (the progress lines' timings differ, of course).
+    exact = ("step", "epoch", "m", "n")
+    assert [{k: r[k] for k in exact} for r in LaunchResult(0, "", out).metrics] == [{k: r[k] for k in exact}
+                                                                          for r in ref.metrics[4:]]
+
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["2gpu.yaml", "deepspeed_zero3.yaml"])
+def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora, hf, tmp_path, config):
+    """The checkpoint leaves the frozen base out (the resumed run loads it from --model again); resumed from
+    step 3, the run ends with the uninterrupted run's losses and adapter, bit for bit."""
+    ref = lora(config)
+    step3 = hf / f"ckpt-lora-{config}" / "step-00000003"
+    if config == "2gpu.yaml":
+        from safetensors import safe_open
+        with safe_open(step3 / "model.safetensors", "pt") as f:
+            assert f.keys() and all(".lora_" in key for key in f.keys())
+    else:  # DeepSpeed's module files: no fragments of the frozen parameters
+        for part in (step3 / "pytorch_model").glob("*_model_states.pt"):
+            states = torch.load(part, weights_only=True)
+            assert not states["frozen_param_fragments"] and all(".lora_" in key for key in states["module"])
+    shutil.copytree(step3, tmp_path / "ckpt" / step3.name)
+    resumed = lora(config, checkpoint_dir=tmp_path / "ckpt")
+    assert resumed.summary["resumed_from_step"] == 3
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in ref.metrics if m["step"] > 3]
+    adapter = "adapter/adapter_model.safetensors"
+    assert (resumed.out_dir / adapter).read_bytes() == (ref.out_dir / adapter).read_bytes()
+
+
+@pytest.mark.slow
+def test_resume_with_another_grad_accum_from_an_odd_step(finetune, tmp_path):
+    """A checkpoint of step 3 written with --grad-accum 1, resumed with --grad-accum 2 (what a job back on fewer
+    GPUs does): the steps go on exactly as before. accelerate's restored micro-batch counter (3) would make
+    the first micro-batch after the resume an optimizer step of its own (4.89 at step 4 instead of 5.34)."""
+    ckpt = ["--checkpoint-every", "3", "--keep-last", "0"]
+    ref = finetune("cpu.yaml", "--checkpoint-dir", str(tmp_path / "ref"), *ckpt)
+    shutil.copytree(tmp_path / "ref" / "step-00000003", tmp_path / "ckpt" / "step-00000003")
+    resumed = finetune("cpu.yaml", "--checkpoint-dir", str(tmp_path / "ckpt"), *ckpt, "--grad-accum", "2")
+    assert resumed.summary["resumed_from_step"] == 3
+    assert any("--grad-accum 1 -> 2" in change for change in resumed.summary["resume_changes"])
+    assert [m["step"] for m in resumed.metrics] == list(range(4, FINETUNE_STEPS + 1))
+    for a, b in zip([m for m in ref.metrics if m["step"] > 3], resumed.metrics):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["lr"] == a["lr"], (a, b)

@@ -3,8 +3,9 @@
 Swapping the file is the whole change. What must hold compiled, and can be seen from outside the run:
 the same training as eager, no graph break in the model's forward, one graph: no recompile even where the shape or
 mode truly changes (training -> evaluation), and a model.safetensors with the model's own key names.
-gpt and mnist are launched here under both compiled configs, with dynamo's logs; finetune_lm, resnet,
-linear_regression, pi and data_sharding run under them in their own matrices (every config of CONFIG_FILES).
+gpt and mnist are launched here under both compiled configs, with dynamo's logs; finetune_lm, resnet and
+linear_regression run under them in their own matrices (every config of CONFIG_FILES); pi and data_sharding build no
+model, and run under one config of each kind of process group (launching.NO_MODEL_CONFIGS).
 """
 
 import re

@@ -10,13 +10,22 @@ import subprocess
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from launching import CONFIG_DIR, CONFIG_FILES, REPO, YAML_FILES, load_yaml
+from launching import CONFIG_DIR, CONFIG_FILES, NO_MODEL_CONFIGS, REPO, YAML_FILES, load_yaml, process_group
 
 
 def test_the_promised_configs_exist():
     assert set(CONFIG_FILES) >= {"cpu.yaml", "1gpu.yaml", "2gpu.yaml", "multinode.yaml", "deepspeed_zero1.yaml",
                                 "deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "deepspeed_zero3_offload.yaml",
                                 "fsdp.yaml", "1gpu_compile.yaml", "2gpu_compile.yaml"}
+
+
+def test_the_recipes_without_a_model_meet_every_kind_of_process_group():
+    """pi.py and data_sharding.py run under one config of each (distributed type, world size) the shipped configs make
+    on this machine (launching.NO_MODEL_CONFIGS), not under all of them: a config that makes a new kind joins them."""
+    kinds = {process_group(config) for config in CONFIG_FILES}
+    for recipe, configs in NO_MODEL_CONFIGS.items():
+        assert {process_group(config) for config in configs} == kinds, recipe
+        assert len(configs) == len(kinds) and set(configs) <= set(CONFIG_FILES), recipe
 
 
 @pytest.mark.parametrize("config", YAML_FILES)

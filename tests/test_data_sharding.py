@@ -1,5 +1,6 @@
-"""recipes/data_sharding.py, what each rank sees of the data, launched for real under every config
-(2 CPU processes).
+"""recipes/data_sharding.py, what each rank sees of the data, launched for real under one config of each kind of
+process group (launching.NO_MODEL_CONFIGS: 1 process, DDP, DeepSpeed, FSDP; 2 CPU processes): it builds no model, so
+the config changes nothing else.
 
 One launch per (recipe, config) serves every assertion about it: the matrix runs are cached by the
 session's `shelf` fixture (conftest.py), and the comparisons (each config against 1 process) reuse them.
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from launching import CONFIG_FILES, EXPECTED, REPO, LaunchResult
+from launching import EXPECTED, NO_MODEL_CONFIGS, REPO, LaunchResult
 from run_checks import assert_engine
 
 pytestmark = pytest.mark.slow
@@ -21,8 +22,8 @@ def shards(run):
     return json.loads((run.out_dir / "shards.json").read_text())
 
 
-@pytest.mark.parametrize("config", CONFIG_FILES)  # *_compile.yaml too: no model, the same shards
-def test_data_sharding_under_every_config(shelf, config):
+@pytest.mark.parametrize("config", NO_MODEL_CONFIGS["data_sharding"])  # no model: a kind of process group each
+def test_data_sharding_under_each_kind_of_process_group(shelf, config):
     run = shelf("data_sharding", config, launch_args=())
     assert_engine(run.summary, config)
     epochs, world = shards(run), EXPECTED[config][1]

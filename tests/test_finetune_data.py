@@ -3,7 +3,7 @@ never in the loss), chat conversations learned on their assistant turns only, th
 values of the wrong type refused with one message (DataProblem), the examples --block-size cuts counted, and a
 --block-size that fits the model by default.
 
-Most of it runs in this process on tests/tiny_hf.py's tokenizer (its chat template has {% generation %} markers;
+Most of it runs in this process on tests/helpers/tiny_hf.py's tokenizer (its chat template has {% generation %} markers;
 copies without markers and without a template); two runs of the recipe (python, one process) check what only a
 run shows: a refusal without a traceback, and a chat fine-tune's summary.
 """
@@ -180,7 +180,7 @@ def test_a_malformed_json_line_is_named_by_file_and_line(tiny):
     nested = write_jsonl(tiny / "nested.jsonl", chats[:3] + [{}] + chats[3:7] + [bad] + chats[7:], {4: ""})
     message = refusal(tiny, nested)
     assert message.startswith(f"{tiny / nested}, line 9: ") and "content" in message, message
-    from runkit.finetune.examples import json_problem  # where `datasets` cannot read such a file, this names the line
+    from runkit.finetune.records import json_problem  # where `datasets` cannot read such a file, this names the line
     assert json_problem(str(tiny / name)) == (f"{tiny / name}, line 10: not a record like the others (its "
                                               f"'response' holds an object, the records before text); fix or "
                                               f"remove that line")

@@ -8,7 +8,7 @@ Each launch checks what only a GPU shows:
   * MFU lies between 0 and 1 (gpt.py, finetune_lm.py with --peak-tflops);
   * the peak device memory is reported (cuda_allocated, above zero);
   * the chunked loss (finetune_lm's default) against the plain one, with the planner's figure in the log;
-  * no host synchronisation in steady steps: tests/gpu_shim switches torch.cuda.set_sync_debug_mode("error")
+  * no host synchronisation in steady steps: tests/helpers/gpu_shim switches torch.cuda.set_sync_debug_mode("error")
     on between two progress lines, so an operation that makes the host wait for the GPU fails the run.
     Not under DeepSpeed: its optimizer step reads the gradient norm and the overflow flag on the host
     (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py: .item(), synchronize()), by its design. Not in
@@ -34,7 +34,7 @@ from tiny_hf import write_all
 GPUS = torch.cuda.device_count()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="no CUDA device: the GPU pack needs one")]
 two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"fewer than 2 GPUs ({GPUS} here)")
-GPU_SHIM = REPO / "tests" / "gpu_shim"
+GPU_SHIM = REPO / "tests" / "helpers" / "gpu_shim"
 PEAK_TFLOPS = "989"  # H100 SXM dense bf16; MFU only has to lie in (0, 1) here
 ONE_PROCESS = ["1gpu.yaml", "1gpu_compile.yaml"]
 ENGINES = ["fsdp.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"]

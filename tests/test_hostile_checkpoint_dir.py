@@ -3,8 +3,13 @@ each on a real checkpoint from a real run. Nothing outside a checkpoint is read,
 deleted, a save is not redirected, nothing hangs or blows up memory, and every refusal is one clear line.
 
 Most attacks use one single-process mnist run (8 steps, checkpoints at 2, 4, 6 and 8); each tampers a copy
-of its checkpoints and resumes it with `python recipes/mnist.py`, which stops at the resume for a refusal.
-The DCP attacks use the FSDP reference run of test_checkpoint_resume.py. Every run is bounded (HANG_S).
+of its checkpoints and resumes it with `python recipes/mnist.py`. The attacks that end in "skipping checkpoint"
+under --resume auto share one launch (a directory of ten attacked checkpoints, each skipped with its own line), and
+so do the two attacks on rotation. A refusal (exit 2, one `error:` line, before training) is shown by one real launch
+(test_a_compressed_torch_file_is_refused_before_loading); the others run mnist.py's main() in this process
+(in_process.py: the exit code, what it printed, its exit handlers run), which spares an interpreter and the imports of
+torch, accelerate and torchvision per refusal. The DCP attacks use the FSDP reference run of
+test_checkpoint_resume.py. Every run is bounded (HANG_S).
 """
 
 import hashlib
@@ -22,6 +27,7 @@ import pytest
 import torch
 
 from checkpoint_checks import check_loadable
+from in_process import run_main
 from launching import (
     CPU_SHIM,
     DATA_ARGS,
@@ -69,6 +75,12 @@ def resume(data_dir, tmp_path, *extra, name="resumed", env=None):
     code, output = run_command(command(data_dir, out, *extra), env=env, timeout=HANG_S)
     assert recipe_processes(str(out)) == [], "a recipe process outlived its run"
     return code, output
+
+
+def refusal(data_dir, tmp_path, *extra, name="refused"):
+    """(exit code, output) of a run with these flags that ends before training, through mnist.py's main() in this
+    process (in_process.run_main): exit code, output and exit handlers as a process of its own gives them."""
+    return run_main("mnist", command(data_dir, tmp_path / name, *extra)[2:], timeout=HANG_S)
 
 
 def copy(written, tmp_path, *steps, name="ckpt"):
@@ -169,46 +181,58 @@ def another_engines(written, ckpt, step):
         rehash(plant, rel)
 
 
-def test_rotation_deletes_only_this_runs_older_checkpoints(written, data_dir, tmp_path):
-    """Empty step-99999998 and step-99999999 and a step-00000001 link to someone's directory: the resumed run
-    saves steps 6 and 8 with --keep-last 2 and keeps them, leaves the look-alikes (one warning), unlinks the link
-    and never touches what it points to. A step 3 that FSDP2 wrote with the same flags is left alone too: only its
-    engine tells it apart (a mutation that let rotation count another engine's checkpoints survived the suite)."""
-    ckpt = copy(written, tmp_path, 2, 4)
+def test_rotation_deletes_only_this_runs_older_checkpoints_that_verify(written, reference, data_dir, tmp_path):
+    """One directory, two attacks on rotation (--keep-last 2), one resume. Beside this run's steps 2, 4 and 6: empty
+    step-99999998 and step-99999999, a step-00000001 link to someone's directory, a step 3 that FSDP2 wrote with the
+    same flags (only its engine tells it apart: a mutation that let rotation count another engine's checkpoints
+    survived the suite), FSDP's real step 5 (test_checkpoint_resume.py's reference run), and (M7) a planted step 9
+    holding a copy of step 6's manifest (step 9) and no files. The run skips step 9 (one warning), resumes from step
+    6, saves steps 7 and 8 (--checkpoint-every 1) and keeps them: it deletes 2, 4 and 6, unlinks the link and never
+    touches what it points to, and leaves 3, 5, 9 and the look-alikes alone (one warning, once over its two
+    rotations). It deleted the real checkpoints and kept the fake one, when the fake one counted."""
+    ckpt = copy(written, tmp_path, 2, 4, 6)
     another_engines(written, ckpt, 3)
+    _, fsdp = reference("fsdp.yaml")
+    shutil.copytree(fsdp / "step-00000005", ckpt / "step-00000005")
+    (ckpt / "step-00000009").mkdir()
+    manifest = json.loads((ckpt / "step-00000006" / "checkpoint.json").read_text())
+    manifest["step"] = manifest["train_state"]["step"] = 9
+    (ckpt / "step-00000009" / "checkpoint.json").write_text(json.dumps(manifest))
     (ckpt / "step-99999998").mkdir()
     (ckpt / "step-99999999").mkdir()
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "data.txt").write_bytes(SECRET)
     os.symlink(theirs, ckpt / "step-00000001")
-    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--keep-last", "2")
+    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--keep-last", "2",
+                          "--checkpoint-every", "1")
     assert code == 0, output[-3000:]
-    assert "resumed from " + str(ckpt / "step-00000004") in output
-    assert sorted(os.listdir(ckpt)) == ["step-00000003", "step-00000006", "step-00000008", "step-99999998",
-                                        "step-99999999"]
-    one_line(output, "warning", f"left alone {ckpt / 'step-00000003'}, {ckpt / 'step-99999998'}, "
-                                f"{ckpt / 'step-99999999'}")
+    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000009'}: model.safetensors is missing")
+    assert "resumed from " + str(ckpt / "step-00000006") in output
+    assert sorted(os.listdir(ckpt)) == [f"step-{n:08d}" for n in (3, 5, 7, 8, 9, 99999998, 99999999)]
+    one_line(output, "warning", f"left alone {ckpt / 'step-00000003'}, {ckpt / 'step-00000005'}, "
+                                f"{ckpt / 'step-00000009'}, {ckpt / 'step-99999998'}, {ckpt / 'step-99999999'}: "
+                                f"not a checkpoint")
     assert (theirs / "data.txt").read_bytes() == SECRET
+    assert sorted(p.name for p in (ckpt / "step-00000005").rglob("*")) == sorted(
+        p.name for p in (fsdp / "step-00000005").rglob("*"))
 
 
 # ---- 3. files outside the manifest ------------------------------------------------------------------------------
 
 def test_a_file_the_manifest_leaves_out_is_refused(written, data_dir, tmp_path):
     """random_states_0.pkl dropped from the manifest (so that it escaped the pre-scan): --resume PATH is one
-    error naming it; --resume auto skips that checkpoint with one warning and resumes from the one before."""
+    error naming it (--resume auto skips that checkpoint with one warning: test_each_damaged_or_planted_checkpoint_
+    is_skipped_with_one_line)."""
     ckpt = copy(written, tmp_path, 4, 6)
     rehash(ckpt / "step-00000006", "random_states_0.pkl", drop=True)
-    code, output = resume(data_dir, tmp_path, "--resume", str(ckpt / "step-00000006"), name="explicit")
+    code, output = refusal(data_dir, tmp_path, "--resume", str(ckpt / "step-00000006"), name="explicit")
     refused(code, output, "random_states_0.pkl is not listed in its checkpoint.json")
-    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--keep-last", "0")
-    assert code == 0, output[-3000:]
-    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000006'}: random_states_0.pkl is not listed")
-    assert "resumed from " + str(ckpt / "step-00000004") in output
 
 
 def test_a_compressed_torch_file_is_refused_before_loading(written, data_dir, tmp_path):
-    """optimizer.bin rewritten with compressed zip entries (a few MB can inflate to GB), its checksum updated."""
+    """optimizer.bin rewritten with compressed zip entries (a few MB can inflate to GB), its checksum updated. The
+    file's refusal launched for real (the others run in this process): one line, exit 2, no process left behind."""
     ckpt = copy(written, tmp_path, 6)
     path = ckpt / "step-00000006" / "optimizer.bin"
     path.write_bytes(deflated(path.read_bytes()))
@@ -236,7 +260,7 @@ def test_special_files_neither_hang_nor_blow_up(written, data_dir, tmp_path, cas
         os.mkfifo(target)
     else:
         os.symlink(kind, target)
-    code, output = resume(data_dir, tmp_path, "--resume", str(ckpt / "step-00000006"))
+    code, output = refusal(data_dir, tmp_path, "--resume", str(ckpt / "step-00000006"))
     refused(code, output, words)
 
 
@@ -244,25 +268,11 @@ def test_a_fifo_lock_is_one_message(data_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(mode=0o700)
     os.mkfifo(ckpt / ".lock")
-    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt))
+    code, output = refusal(data_dir, tmp_path, "--checkpoint-dir", str(ckpt))
     refused(code, output, f"{ckpt / '.lock'} is not a lock file this code writes (a FIFO")
 
 
 # ---- 5. a save that writes outside -----------------------------------------------------------------------------
-
-def test_a_planted_tmp_link_does_not_redirect_or_break_a_save(written, data_dir, tmp_path):
-    """.tmp-step-00000008 planted as a link to someone's directory, under the name of the run's next save: the
-    link is removed, never followed; the save of step 8 succeeds; the directory it pointed to is untouched."""
-    ckpt = copy(written, tmp_path, 6)
-    theirs = tmp_path / "theirs"
-    theirs.mkdir()
-    (theirs / "data.txt").write_bytes(SECRET)
-    os.symlink(theirs, ckpt / ".tmp-step-00000008")
-    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--keep-last", "0")
-    assert code == 0 and "Traceback" not in output, output[-3000:]
-    assert sorted(os.listdir(theirs)) == ["data.txt"] and (theirs / "data.txt").read_bytes() == SECRET
-    assert (ckpt / "step-00000008").is_dir() and not (ckpt / "step-00000008").is_symlink()
-
 
 def test_a_tmp_dir_swapped_during_the_save_is_not_published(written, data_dir, tmp_path):
     """While the save of step 8 writes (slowed by the test shim), its .tmp directory is renamed away and a link
@@ -301,26 +311,9 @@ def test_a_tmp_dir_swapped_during_the_save_is_not_published(written, data_dir, t
 def test_a_directory_others_can_write_is_refused(written, data_dir, tmp_path):
     ckpt = copy(written, tmp_path, 6)
     ckpt.chmod(0o777)
-    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt))
+    code, output = refusal(data_dir, tmp_path, "--checkpoint-dir", str(ckpt))
     refused(code, output, f"chmod go-w {ckpt}")
     assert sorted(os.listdir(ckpt)) == ["step-00000006"]
-
-
-# ---- 6. bad lock or manifest content ---------------------------------------------------------------------------
-
-def test_garbage_lock_and_nested_manifest_are_warnings(written, data_dir, tmp_path):
-    """A garbage .lock untouched for 10 minutes is taken over with a warning; a newest checkpoint whose manifest
-    is nested 100000 deep is skipped with a warning under --resume auto: two distinct lines, no traceback."""
-    ckpt = copy(written, tmp_path, 4, 6)
-    (ckpt / ".lock").write_text('{"host": "x", "pid": ' + str(2 ** 70) + "}")
-    old = time.time() - 600
-    os.utime(ckpt / ".lock", (old, old))
-    (ckpt / "step-00000006" / "checkpoint.json").write_text("[" * 100000 + "]" * 100000)
-    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--keep-last", "0")
-    assert code == 0, output[-3000:]
-    one_line(output, "warning", f"taking over {ckpt / '.lock'}: its content is not a lock this code writes")
-    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000006'}: unreadable checkpoint.json (nested")
-    assert "resumed from " + str(ckpt / "step-00000004") in output
 
 
 # ---- 7. numpy from the allowlist -------------------------------------------------------------------------------
@@ -341,7 +334,7 @@ def test_rng_state_with_a_crafted_numpy_dtype_is_refused(written, data_dir, tmp_
     states["random_state"] = ("MT19937", _BadDtype(), 624, 0, 0.0)
     torch.save(states, path)
     rehash(ckpt / "step-00000006", "random_states_0.pkl")
-    code, output = resume(data_dir, tmp_path, "--resume", str(ckpt / "step-00000006"))
+    code, output = refusal(data_dir, tmp_path, "--resume", str(ckpt / "step-00000006"))
     refused(code, output, "random_states_0.pkl: refused (it holds a numpy dtype other than plain uint32/uint64)")
 
 
@@ -354,67 +347,89 @@ def edit(checkpoint, change):
     (checkpoint / "checkpoint.json").write_text(json.dumps(manifest))
 
 
-def test_manifest_fields_of_another_type_are_skipped_with_a_warning(written, data_dir, tmp_path):
-    """M1, M2, M9: train_state emptied (step 8), train_state.step "6" (step 6), layout.grad_accum "2" (step 4): under
-    --resume auto each is skipped with one warning saying why, and the run resumes from step 2 (it tracebacked)."""
+def renumbered(written, ckpt, step, source=8):
+    """A copy of this run's step `source` (a complete checkpoint) as step `step`, its manifest saying so: the attacks
+    below need more checkpoints newer than the one resumed than the run wrote."""
+    plant = ckpt / f"step-{step:08d}"
+    shutil.copytree(written / f"step-{source:08d}", plant)
+    edit(plant, lambda m: (m.update(step=step), m["train_state"].update(step=step)))
+    return plant
+
+
+LATER = "and this code reads format 1 only (resume it with the code that wrote it)"
+WHAT = "which a full save of 1 process(es) writes and a resume reads"
+
+
+def test_each_damaged_or_planted_checkpoint_is_skipped_with_one_line(written, data_dir, tmp_path):
+    """--resume auto over ten attacked checkpoints newer than this run's step 4, in one launch (ten: as many as a run
+    names one by one, owners.SHOWN); each is skipped with one warning saying why, and the run resumes from step 4:
+      * manifests of another type or range (issue 36, M1, M2, M9): train_state emptied (step 11), train_state.step
+        "10" (step 10), layout.grad_accum "2" (step 9) (it tracebacked);
+      * another format (issue 43, item 3): no format_version, as every checkpoint written before it was recorded
+        (step 13), and format 2 (step 12);
+      * files its engine writes missing (M4, M5, M8): optimizer.bin (step 8) and model.safetensors (step 7) deleted
+        and dropped from the manifest, a planted step 14 holding only a manifest (the empty one was chosen, then
+        FileNotFoundError);
+      * a file the manifest leaves out (step 6: random_states_0.pkl dropped from it, so that it escaped the pre-scan);
+      * a manifest nested 100000 deep (step 5);
+    and beside them a garbage .lock untouched for 10 minutes, taken over with one warning, and a .tmp-step-00000008
+    planted as a link to someone's directory under the name of the run's save of step 8: the link is removed, never
+    followed, the save succeeds, the directory it pointed to is untouched."""
     ckpt = copy(written, tmp_path, 2, 4, 6, 8)
-    edit(ckpt / "step-00000008", lambda m: m.update(train_state={}))
-    edit(ckpt / "step-00000006", lambda m: m["train_state"].update(step="6"))
-    edit(ckpt / "step-00000004", lambda m: m["layout"].update(grad_accum="2"))
-    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--keep-last", "0")
-    assert code == 0, output[-3000:]
-    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000008'}: its train_state lacks 'epoch'")
-    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000006'}: its train_state's step '6' is not "
-                                f"of the type and range Run writes")
-    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000004'}: checkpoint.json: its layout's "
-                                f"grad_accum '2' is not a number of micro-batches")
-    assert "resumed from " + str(ckpt / "step-00000002") in output
+    edit(renumbered(written, ckpt, 11), lambda m: m.update(train_state={}))
+    edit(renumbered(written, ckpt, 10), lambda m: m["train_state"].update(step="10"))
+    edit(renumbered(written, ckpt, 9), lambda m: m["layout"].update(grad_accum="2"))
+    edit(renumbered(written, ckpt, 13), lambda m: m.pop("format_version"))
+    edit(renumbered(written, ckpt, 12), lambda m: m.update(format_version=2))
+    (ckpt / "step-00000008" / "optimizer.bin").unlink()
+    rehash(ckpt / "step-00000008", "optimizer.bin", drop=True)
+    missing = renumbered(written, ckpt, 7, source=6)
+    (missing / "model.safetensors").unlink()
+    rehash(missing, "model.safetensors", drop=True)
+    (ckpt / "step-00000014").mkdir()
+    manifest = json.loads((written / "step-00000008" / "checkpoint.json").read_text())
+    manifest["step"] = manifest["train_state"]["step"] = 14
+    (ckpt / "step-00000014" / "checkpoint.json").write_text(json.dumps({**manifest, "files": {}}))
+    rehash(ckpt / "step-00000006", "random_states_0.pkl", drop=True)
+    shutil.copytree(written / "step-00000004", ckpt / "step-00000005")
+    (ckpt / "step-00000005" / "checkpoint.json").write_text("[" * 100000 + "]" * 100000)
+    (ckpt / ".lock").write_text('{"host": "x", "pid": ' + str(2 ** 70) + "}")
+    old = time.time() - 600
+    os.utime(ckpt / ".lock", (old, old))
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "data.txt").write_bytes(SECRET)
+    os.symlink(theirs, ckpt / ".tmp-step-00000008")
 
-
-def test_a_checkpoint_of_another_format_version_is_skipped_or_refused(written, data_dir, tmp_path):
-    """Issue 43, item 3: step 8's manifest without a format_version (as every checkpoint written before it was
-    recorded) and step 6's of format 2: under --resume auto each is skipped with one warning saying which version
-    wrote it, and the run resumes from step 4; --resume naming step 8 is one error."""
-    ckpt = copy(written, tmp_path, 4, 6, 8)
-    edit(ckpt / "step-00000008", lambda m: m.pop("format_version"))
-    edit(ckpt / "step-00000006", lambda m: m.update(format_version=2))
-    later = "and this code reads format 1 only (resume it with the code that wrote it)"
     code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--keep-last", "0")
-    assert code == 0, output[-3000:]
-    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000008'}: checkpoint.json records no "
-                                f"format_version: runkit before format 1 wrote it, {later}")
-    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000006'}: checkpoint.json records "
-                                f"format_version 2: another version of runkit wrote it, {later}")
+    assert code == 0 and "Traceback" not in output, output[-3000:]
+    skipped = {11: "its train_state lacks 'epoch'",
+               10: "its train_state's step '10' is not of the type and range Run writes",
+               9: "checkpoint.json: its layout's grad_accum '2' is not a number of micro-batches",
+               13: f"checkpoint.json records no format_version: runkit before format 1 wrote it, {LATER}",
+               12: f"checkpoint.json records format_version 2: another version of runkit wrote it, {LATER}",
+               14: f"checkpoint.json does not list random_states_0.pkl, {WHAT}",
+               8: f"checkpoint.json does not list optimizer.bin, {WHAT}",
+               7: f"checkpoint.json does not list model.safetensors, {WHAT}",
+               6: "random_states_0.pkl is not listed",
+               5: "unreadable checkpoint.json (nested"}
+    for step, why in skipped.items():
+        one_line(output, "warning", f"skipping checkpoint {ckpt / f'step-{step:08d}'}: {why}")
+    one_line(output, "warning", f"taking over {ckpt / '.lock'}: its content is not a lock this code writes")
+    assert "more entries in" not in output, output[-3000:]  # all ten named
     assert "resumed from " + str(ckpt / "step-00000004") in output
-    named = copy(written, tmp_path, 8, name="named")  # that run saved its own step 8 over the edited one
+    assert sorted(os.listdir(theirs)) == ["data.txt"] and (theirs / "data.txt").read_bytes() == SECRET
+    assert (ckpt / "step-00000008").is_dir() and not (ckpt / "step-00000008").is_symlink()
+
+
+def test_a_checkpoint_of_another_format_version_given_by_path_is_refused(written, data_dir, tmp_path):
+    """Issue 43, item 3: --resume naming a checkpoint whose manifest has no format_version (as every checkpoint
+    written before it was recorded) is one error (under --resume auto it is skipped: the test above)."""
+    named = copy(written, tmp_path, 8, name="named")
     edit(named / "step-00000008", lambda m: m.pop("format_version"))
-    code, output = resume(data_dir, tmp_path, "--resume", str(named / "step-00000008"), name="named-out")
+    code, output = refusal(data_dir, tmp_path, "--resume", str(named / "step-00000008"), name="named-out")
     refused(code, output, f"checkpoint {named / 'step-00000008'} cannot be used: checkpoint.json records no "
-                          f"format_version: runkit before format 1 wrote it, {later}")
-
-
-def test_a_manifest_without_the_files_its_engine_writes_is_skipped(written, data_dir, tmp_path):
-    """M4, M5, M8: optimizer.bin (step 8) and model.safetensors (step 6) deleted and dropped from the manifest, and a
-    planted step-00000009 holding only a manifest (no files): each is skipped with one warning naming what it lacks,
-    and the run resumes from step 4 (the empty one was chosen, then FileNotFoundError)."""
-    ckpt = copy(written, tmp_path, 4, 6, 8)
-    for step, rel in ((8, "optimizer.bin"), (6, "model.safetensors")):
-        (ckpt / f"step-{step:08d}" / rel).unlink()
-        rehash(ckpt / f"step-{step:08d}", rel, drop=True)
-    (ckpt / "step-00000009").mkdir()
-    manifest = json.loads((ckpt / "step-00000008" / "checkpoint.json").read_text())
-    manifest["step"] = manifest["train_state"]["step"] = 9
-    (ckpt / "step-00000009" / "checkpoint.json").write_text(json.dumps({**manifest, "files": {}}))
-    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--keep-last", "0")
-    assert code == 0, output[-3000:]
-    what = "which a full save of 1 process(es) writes and a resume reads"
-    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000009'}: checkpoint.json does not list "
-                                f"random_states_0.pkl, {what}")
-    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000008'}: checkpoint.json does not list "
-                                f"optimizer.bin, {what}")
-    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000006'}: checkpoint.json does not list "
-                                f"model.safetensors, {what}")
-    assert "resumed from " + str(ckpt / "step-00000004") in output
+                          f"format_version: runkit before format 1 wrote it, {LATER}")
 
 
 def test_a_checkpoint_without_its_rng_state_is_refused(written, data_dir, tmp_path):
@@ -423,33 +438,9 @@ def test_a_checkpoint_without_its_rng_state_is_refused(written, data_dir, tmp_pa
     ckpt = copy(written, tmp_path, 6)
     (ckpt / "step-00000006" / "random_states_0.pkl").unlink()
     rehash(ckpt / "step-00000006", "random_states_0.pkl", drop=True)
-    code, output = resume(data_dir, tmp_path, "--resume", str(ckpt / "step-00000006"))
+    code, output = refusal(data_dir, tmp_path, "--resume", str(ckpt / "step-00000006"))
     refused(code, output, f"checkpoint {ckpt / 'step-00000006'} cannot be used: checkpoint.json does not list "
                           f"random_states_0.pkl")
-
-
-# ---- 9. rotation counts only checkpoints that verify (M7), and never another engine's -----------------------
-
-def test_rotation_counts_only_checkpoints_that_verify(written, reference, data_dir, tmp_path):
-    """M7: a planted step-00000007 holding a copy of step 6's manifest (step 7) and no files, and a real checkpoint
-    of another engine (FSDP's step 5, test_checkpoint_resume.py's reference run) in the same directory. The run
-    skips step 7 (one warning), resumes from step 6 and saves step 8 with --keep-last 2: it keeps 6 and 8, deletes 2
-    and 4, and leaves 5 and 7 alone (one warning). It deleted the real 2, 4 and 6 and kept the fake 7."""
-    ckpt = copy(written, tmp_path, 2, 4, 6)
-    _, fsdp = reference("fsdp.yaml")
-    shutil.copytree(fsdp / "step-00000005", ckpt / "step-00000005")
-    (ckpt / "step-00000007").mkdir()
-    manifest = json.loads((ckpt / "step-00000006" / "checkpoint.json").read_text())
-    manifest["step"] = manifest["train_state"]["step"] = 7
-    (ckpt / "step-00000007" / "checkpoint.json").write_text(json.dumps(manifest))
-    code, output = resume(data_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--keep-last", "2")
-    assert code == 0, output[-3000:]
-    one_line(output, "warning", f"skipping checkpoint {ckpt / 'step-00000007'}: model.safetensors is missing")
-    assert "resumed from " + str(ckpt / "step-00000006") in output
-    assert sorted(os.listdir(ckpt)) == [f"step-{n:08d}" for n in (5, 6, 7, 8)]
-    one_line(output, "warning", f"left alone {ckpt / 'step-00000005'}, {ckpt / 'step-00000007'}: not a checkpoint")
-    assert sorted(p.name for p in (ckpt / "step-00000005").rglob("*")) == sorted(
-        p.name for p in (fsdp / "step-00000005").rglob("*"))
 
 
 # ---- 10. LoRA: the checkpoint holds exactly the adapters (L1, L3) --------------------------------------------
@@ -811,7 +802,7 @@ def test_another_users_checkpoint_given_by_path_is_one_error(written, data_dir, 
     """--resume naming the other user's checkpoint: one error naming the owner, nothing loaded."""
     needs_root()
     plant = attackers_checkpoint(written, shared(written, tmp_path), 6)
-    code, output = resume(data_dir, tmp_path, "--resume", str(plant))
+    code, output = refusal(data_dir, tmp_path, "--resume", str(plant))
     refused(code, output, f"checkpoint {plant} cannot be used: checkpoint.json belongs to uid {ATTACKER}")
     assert "resumed from" not in output
 

@@ -1,4 +1,4 @@
-"""The shared launch helper's own check (tests/launching.py, check_exit): every launch in the suite fails when one
+"""The shared launch helper's own check (helpers/launching.py, check_exit): every launch in the suite fails when one
 of its processes aborts or crashes, even after its work is done and whatever its exit code (issue: two
 processes that finish their work must exit cleanly)."""
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 from PIL import Image
 
-from launching import CONFIG_FILES, OFFLOAD, REPO, LaunchResult
+from launching import CONFIG_FILES, OFFLOAD, REPO
 from run_checks import assert_engine, assert_refused
 
 pytestmark = pytest.mark.slow
@@ -85,17 +85,3 @@ def test_linear_regression_scale_lr(shelf):
     scaled = shelf("linear_regression", "2gpu.yaml", "--scale-lr", "--checkpoint-dir", "")
     assert "SGD lr 0.2 " in scaled.output and "SGD lr 0.1 " in plain.output
     assert scaled.metrics[0]["m"] != pytest.approx(plain.metrics[0]["m"], abs=1e-4)
-
-
-def test_linear_regression_resume_is_exact(shelf, shelf_data, tmp_path):
-    ref = shelf("linear_regression", "2gpu.yaml")
-    ckpt = shelf_data / "ckpt-linear_regression-2gpu.yaml" / "step-00000004"
-    # Its new checkpoints go elsewhere: the reference's directory is read by other tests.
-    out = tmp_path / "out"
-    resumed = shelf("linear_regression", "2gpu.yaml", "--resume", str(ckpt), "--output-dir", str(out),
-                    "--checkpoint-dir", str(tmp_path / "ckpt"))
-    assert f"resumed from {ckpt}" in resumed.output
-    # Every step's (m, n) as in the uninterrupted run (the progress lines' timings differ, of course).
-    exact = ("step", "epoch", "m", "n")
-    assert [{k: r[k] for k in exact} for r in LaunchResult(0, "", out).metrics] == [{k: r[k] for k in exact}
-                                                                          for r in ref.metrics[4:]]

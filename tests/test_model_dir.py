@@ -1,7 +1,7 @@
 """A --model directory is untrusted (shared storage): loading it never runs its code, and each problem it can hold
 ends in one line before transformers allocates or loads anything (src/runkit/finetune/). Issue 46, item 4.
 
-Quick: each problem planted into a copy of tests/tiny_hf.py's model (tiny_hf.planted_copy) and read by the functions
+Quick: each problem planted into a copy of helpers/tiny_hf.py's model (tiny_hf.planted_copy) and read by the functions
 finetune_lm.py calls, in this process; custom code with a terminal that answers "y" to any question.
 The run that shows the line as the recipe prints it: test_finetune_lm.py's test_each_input_error_is_one_clear_message.
 Also LoRA's base: the fingerprint that tells one model's weights from another's (issue 41, item 2).

@@ -1,4 +1,6 @@
-"""recipes/pi.py, an all-reduce you can check, launched for real under every config (2 CPU processes).
+"""recipes/pi.py, an all-reduce you can check, launched for real under one config of each kind of process group
+(launching.NO_MODEL_CONFIGS: 1 process, DDP across machines, DeepSpeed, FSDP; 2 CPU processes): it builds no model,
+so the config changes nothing else.
 
 One launch per (recipe, config) serves every assertion about it: the matrix runs are cached by the
 session's `shelf` fixture (conftest.py), and the comparisons (2 and 3 processes against 1) reuse them.
@@ -8,14 +10,14 @@ import math
 
 import pytest
 
-from launching import CONFIG_FILES
+from launching import NO_MODEL_CONFIGS
 from run_checks import assert_engine
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("config", CONFIG_FILES)  # *_compile.yaml too: no model, the same sum
-def test_pi_under_every_config(shelf, config):
+@pytest.mark.parametrize("config", NO_MODEL_CONFIGS["pi"])  # no model: a kind of process group each
+def test_pi_under_each_kind_of_process_group(shelf, config):
     s = shelf("pi", config, launch_args=()).summary
     assert_engine(s, config)
     one = shelf("pi", "cpu.yaml", launch_args=()).summary

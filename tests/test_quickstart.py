@@ -3,7 +3,8 @@
 Quick: the diff between the two files is only accelerate lines (the repo's promise, in one diff), and
 both files train with plain `python` to the very same printed numbers. Slow: the accelerate file
 launched as 2 processes under DDP and under DeepSpeed ZeRO-2 (fp32: bf16 on a CPU is 7x slower) on
-the synthetic digits, printing once, counting every test image once, well above chance.
+the synthetic digits, printing once, counting every test image once, well above chance; and as 1 process and under
+FSDP, so that the launches meet every kind of engine the configs make.
 """
 
 import ast
@@ -23,6 +24,7 @@ from launching import (
     cpu_route,
     deepspeed_precision,
     free_port,
+    process_group,
     run_command,
 )
 
@@ -206,9 +208,11 @@ def launch_quickstart(config, mnist_root, tmp_path, training=TRAINING):
     return output
 
 
+TWO_PROCESSES = [("2gpu.yaml", "MULTI_CPU"), ("deepspeed_zero2.yaml", "DEEPSPEED")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config, distributed_type",
-                         [("2gpu.yaml", "MULTI_CPU"), ("deepspeed_zero2.yaml", "DEEPSPEED")])
+@pytest.mark.parametrize("config, distributed_type", TWO_PROCESSES)
 def test_with_accelerate_launched_as_two_processes(config, distributed_type, mnist_root, tmp_path):
     output = launch_quickstart(config, mnist_root, tmp_path)
     # accelerator.state and the epoch line come once, from the main process, not once per process.
@@ -224,6 +228,10 @@ def test_with_accelerate_launched_as_two_processes(config, distributed_type, mni
 
 
 SMALL_TRAIN, SMALL_TEST = 256, 101  # the other configs' launches: the file runs there; learning is checked above
+# "Any config fits" (the README), launched for one config of each kind beside DDP and ZeRO-2 above: 1 process through
+# accelerate launch, and FSDP. The others (1gpu, multinode, ZeRO-1/3, offload, the compiled ones) run the same
+# accelerate calls on one of these four engines, and every recipe of recipes/ is launched under each of them.
+OTHER_CONFIGS = ["cpu.yaml", "fsdp.yaml"]
 
 
 @pytest.fixture(scope="module")
@@ -236,11 +244,19 @@ def small_mnist_root(tmp_path_factory):
     return root
 
 
+def test_the_launches_meet_every_kind_of_process_group():
+    """The quickstart's launches (below and above) cover each (distributed type, world size) the shipped configs make:
+    a config that makes a new kind must join OTHER_CONFIGS."""
+    launched = [config for config, _ in TWO_PROCESSES] + OTHER_CONFIGS
+    assert {process_group(config) for config in launched} == {process_group(config) for config in CONFIG_FILES}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [c for c in CONFIG_FILES if c not in ("2gpu.yaml", "deepspeed_zero2.yaml")])
-def test_with_accelerate_under_every_other_config(config, small_mnist_root, tmp_path):
-    """The quickstart's claim, "any config of accelerate_configs/ fits", launched: the engine each config asks for,
-    one printed line, every test image counted once, every process exiting cleanly."""
+@pytest.mark.parametrize("config", OTHER_CONFIGS)
+def test_with_accelerate_under_one_process_and_fsdp(config, small_mnist_root, tmp_path):
+    """The quickstart's claim, "any config of accelerate_configs/ fits", launched for the kinds of engine the two
+    launches above leave out (1 process, FSDP): the engine each config asks for, one printed line, every test image
+    counted once, every process exiting cleanly."""
     output = launch_quickstart(config, small_mnist_root, tmp_path, training=["--epochs", "1", "--batch-size", "32"])
     distributed_type, processes = EXPECTED[config][:2]
     assert output.count("Distributed environment:") == 1, output[-6000:]

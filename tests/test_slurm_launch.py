@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from launching import (
+    CPU_SHIM,
     DATA_ARGS,
     EXPECTED,
     REPO,
@@ -40,7 +41,7 @@ _real_first_host = slurm_launch.first_host  # the autouse fixture below replaces
 
 
 def captured(name):
-    """An environment captured inside a real job of tests/slurm_cluster.py (see fixtures/slurm_env)."""
+    """An environment captured inside a real job of tests/helpers/slurm_cluster.py (see fixtures/slurm_env)."""
     env = {}
     for line in (FIXTURES / f"{name}.env").read_text().splitlines():
         key, _, value = line.partition("=")
@@ -429,23 +430,28 @@ def test_two_jobs_on_one_node_at_once(one_node, data_dir, tmp_path):
     assert {task for _, task in task_hosts(logs["per_gpu"])} == {"0", "1"}  # one launcher line per task
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", ["2gpu.yaml", "deepspeed_zero2.yaml"])
-def test_two_node_job(two_nodes, data_dir, tmp_path, config):
-    cfg = f"accelerate_configs/{config}"
-    args = ["launch/multinode.sbatch"]
-    if config.startswith("deepspeed"):
-        args.append("--processes-per-node=1")  # keep DeepSpeed at 2 processes on this 2-core machine
-    state, log, _ = submit(two_nodes, args, [cfg, RECIPE], data_dir, tmp_path / "out")
-    assert state == "COMPLETED", log
-    s = summary(tmp_path / "out")
-    world = 2 if config.startswith("deepspeed") else 4
-    assert s["world_size"] == world
-    assert s["distributed_type"] == ("DEEPSPEED" if config.startswith("deepspeed") else "MULTI_CPU")
+def assert_one_launch_per_node(log):
+    """Mode per-node: slurm_launch's one line per node, each on its own host, each node's accelerate launch meeting
+    the first node at the namespace's address (not localhost), with its own machine rank."""
     lines = [line for line in log.splitlines() if line.startswith("slurm_launch: ")]
     assert {line.split()[1] for line in lines} == {"node1", "node2"}, log  # a process on each host
     assert all("--main_process_ip node1" in line for line in lines)  # the namespace address, not localhost
     assert {line.split("--machine_rank ")[1].split()[0] for line in lines} == {"0", "1"}
+
+
+# DDP on two nodes (2gpu.yaml) is the preemption test's per-node job below, and 2 processes per node across two nodes
+# the preflight job's; a DeepSpeed training here.
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["deepspeed_zero2.yaml"])
+def test_two_node_job(two_nodes, data_dir, tmp_path, config):
+    cfg = f"accelerate_configs/{config}"
+    args = ["launch/multinode.sbatch", "--processes-per-node=1"]  # keep DeepSpeed at 2 processes on 2 cores
+    state, log, _ = submit(two_nodes, args, [cfg, RECIPE], data_dir, tmp_path / "out")
+    assert state == "COMPLETED", log
+    s = summary(tmp_path / "out")
+    assert s["world_size"] == 2
+    assert s["distributed_type"] == "DEEPSPEED"
+    assert_one_launch_per_node(log)
     assert len(set(s["param_checksum_per_rank"])) == 1  # every rank ends with the same weights
 
 
@@ -459,7 +465,7 @@ def test_two_node_finetune_under_zero3(two_nodes, tmp_path):
             "4", "--batch-size", "16", "--log-every", "1", "--sample-tokens", "0"]
     state, log, _ = submit(two_nodes, ["launch/multinode.sbatch", "--processes-per-node=1"],
                            [str(fp32_config(tmp_path, "deepspeed_zero3.yaml")), "recipes/finetune_lm.py"], None,
-                           tmp_path / "out", env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")}, recipe_args=args)
+                           tmp_path / "out", env={"PYTHONPATH": str(CPU_SHIM)}, recipe_args=args)
     assert state == "COMPLETED", log
     s = summary(tmp_path / "out")
     assert (s["world_size"], s["deepspeed_stage"], s["steps"]) == (2, 3, 4)
@@ -489,7 +495,7 @@ def test_per_gpu_mode_on_two_nodes(two_nodes, data_dir, tmp_path, reference, con
     ref, _ = reference(config)
     out = tmp_path / "out"
     state, log, _ = submit(two_nodes, PER_GPU_TWO_NODES, [str(fp32_config(tmp_path, config)), RECIPE], data_dir,
-                           out, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")},  # its CPU route (launching.py)
+                           out, env={"PYTHONPATH": str(CPU_SHIM)},  # its CPU route (launching.py)
                            training=TRAINING)
     assert state == "COMPLETED", log
     s = summary(out)
@@ -505,18 +511,23 @@ def test_per_gpu_mode_on_two_nodes(two_nodes, data_dir, tmp_path, reference, con
 
 @pytest.mark.slow
 def test_preflight_on_two_slurm_nodes(two_nodes, tmp_path):
-    """launch/preflight.py through the same template and launcher as a training job."""
+    """launch/preflight.py through the same template and launcher as a training job, with the template's own number
+    of processes per node (one per GPU Slurm gives: 2), so 4 ranks on 2 hosts: the multi-node template starting
+    several processes on each node (the training jobs here run one per node, on 2 cores)."""
     log = tmp_path / "preflight.log"
-    job = two_nodes.sbatch(["-o", str(log), "launch/multinode.sbatch", "--processes-per-node=1",
-                            "accelerate_configs/multinode.yaml", "launch/preflight.py", "--max-bytes", "65536"],
+    job = two_nodes.sbatch(["-o", str(log), "launch/multinode.sbatch", "accelerate_configs/multinode.yaml",
+                            "launch/preflight.py", "--max-bytes", "65536"],
                            cwd=REPO, env={"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"})
     state, _ = two_nodes.wait(job, timeout=400)
     text = job_log(log)
     assert state == "COMPLETED", text
     rows = [line for line in text.splitlines() if line.startswith("rank ")]
-    assert sorted(row.split("| host ")[1].split()[0] for row in rows) == ["node1", "node2"], text
-    assert "preflight: 2 ranks on 2 host(s), backend gloo, main address node1:" in text
-    assert "preflight: ok, 2 ranks agree on world size 2 and backend gloo" in text
+    assert sorted(row.split("| host ")[1].split()[0] for row in rows) == ["node1", "node1", "node2", "node2"], text
+    assert "preflight: 4 ranks on 2 host(s), backend gloo, main address node1:" in text
+    assert "preflight: ok, 4 ranks agree on world size 4 and backend gloo" in text
+    assert_one_launch_per_node(text)
+    assert {line.split("--num_processes ")[1].split()[0] for line in text.splitlines()
+            if line.startswith("slurm_launch: ")} == {"4"}, text
 
 
 @pytest.mark.slow
@@ -556,7 +567,7 @@ def test_shell_scripts_are_clean():
 
 # --- preemption and time limits: the templates requeue a stopped job, which resumes ------------------
 
-CPU_ROUTE_DDP = {"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(REPO / "tests" / "cpu_shim")}
+CPU_ROUTE_DDP = {"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(CPU_SHIM)}
 
 
 def fp32_config(tmp_path, name="2gpu.yaml"):
@@ -655,6 +666,9 @@ def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir
     assert fields["Restarts"] == "1", fields
     stopped, resumed_run = runs_of(text)
     assert_stopped_and_requeued(stopped, mode, stop)
+    if mode == "per-node" and not shrink:  # DDP on two nodes (2gpu.yaml), both runs of the job
+        for run_log in (stopped, resumed_run):
+            assert_one_launch_per_node(run_log)
     assert f"resumed from {ckpt}" in resumed_run and not srun_exit_codes(resumed_run)
     resumed = LaunchResult(0, text, out)
     s = resumed.summary
@@ -663,6 +677,8 @@ def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir
     if not shrink:
         assert task_hosts(resumed_run) == {("node1", "0"), ("node2", "1")}, resumed_run
         assert s["world_size"] == 2 and s["resume_changes"] == []
+        if not EXPECTED[config][3]:  # every rank ends with the same weights unless they are sharded
+            assert len(set(s["param_checksum_per_rank"])) == 1
         assert_identical_params(ref.params(), resumed.params())
         assert_same_steps(ref.metrics, resumed.metrics, after_step=0)
     else:

@@ -466,34 +466,14 @@ def test_dead_rank_ends_the_launch_within_60s(start, reference, tmp_path, phase)
 
 
 @pytest.mark.slow
-def test_kill_during_save_keeps_previous_checkpoint(start, launch, reference, tmp_path):
-    ref, _ = reference("2gpu.yaml")
-    ckpt = tmp_path / "ckpt"
-    run = start("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt),
-                env={"TEST_SLOW_SAVE_SECONDS": "600", "TEST_SLOW_SAVE_MATCH": "step-00000010"})
-    run.wait_until(lambda: "TEST-SHIM: slow save" in run.output, "save of step 10 in progress")
-    for pid in run.leftovers():  # the whole run at once, as a node failure would
-        os.kill(pid, signal.SIGKILL)
-    run.finish(deadline=60)
-    # The lock of the killed run stays behind; its holder is dead, so the next run takes it over. The save in
-    # progress is .tmp-step-00000010.XXXXXXXX, a name of its own.
-    (unfinished,) = [p.name for p in ckpt.glob(".tmp-step-00000010.*")]
-    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", unfinished, "step-00000005"]
-
-    resumed = launch("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt), launch_args=FP32)
-    assert f"removing {ckpt / unfinished}: a save that never finished" in resumed.output
-    assert f"taking over {ckpt / '.lock'}: its holder, pid" in resumed.output
-    assert f"resumed from {ckpt / 'step-00000005'}" in resumed.output
-    assert_identical_params(ref.params(), resumed.params())
-    assert not (ckpt / unfinished).exists() and (ckpt / "step-00000010").is_dir()  # the complete step 10
-    assert not (ckpt / ".lock").exists()  # released at the end
-
-
-@pytest.mark.slow
-def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, launch, reference, tmp_path):
-    """A run holds --checkpoint-dir's lock: a second run there is refused at once, naming the holder. Its
-    launcher killed alone with SIGKILL (an OOM kill, a kill -9), the workers follow within seconds instead of
-    training on as orphans; the next run takes over the dead holder's lock and ends like the uninterrupted run."""
+def test_one_writer_per_directory_and_a_killed_launcher_leaves_the_previous_checkpoint(start, launch, reference,
+                                                                                       tmp_path):
+    """One run, held in the middle of its save of step 10 (a slow file system: the test shim), serves three stories.
+    It holds --checkpoint-dir's lock: a second run there is refused at once, naming the holder, and the holder trains
+    on. Its launcher killed alone with SIGKILL (an OOM kill, a kill -9), the workers follow within seconds instead of
+    training on as orphans (SIGKILL too: every process of the run ends at once, as a node failure ends it), leaving
+    the half-made save under a name of its own beside the complete step 5, and the lock. The next run removes the
+    unfinished save, takes over the dead holder's lock, resumes from step 5 and ends like the uninterrupted run."""
     ref, _ = reference("2gpu.yaml")
     ckpt = tmp_path / "ckpt"
     run = start("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt),
@@ -515,12 +495,18 @@ def test_one_writer_per_directory_and_workers_die_with_their_launcher(start, lau
         time.sleep(0.1)
     run.finish(deadline=60)
     assert run.left == [], "workers outlived their launcher"
+    # The lock of the killed run stays behind; its holder is dead, so the next run takes it over. The save in
+    # progress is .tmp-step-00000010.XXXXXXXX, a name of its own.
+    (unfinished,) = [p.name for p in ckpt.glob(".tmp-step-00000010.*")]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", unfinished, "step-00000005"]
 
     rerun = launch("2gpu.yaml", *TRAINING, "--checkpoint-dir", str(ckpt), launch_args=FP32, env={"TEST_RERUN": "1"})
+    assert f"removing {ckpt / unfinished}: a save that never finished" in rerun.output
     assert f"taking over {ckpt / '.lock'}: its holder, pid {holder['pid']} on this host, is gone" in rerun.output
     assert f"resumed from {ckpt / 'step-00000005'}" in rerun.output
     assert_identical_params(ref.params(), rerun.params())
-    assert not (ckpt / ".lock").exists()
+    assert not (ckpt / unfinished).exists() and (ckpt / "step-00000010").is_dir()  # the complete step 10
+    assert not (ckpt / ".lock").exists()  # released at the end
 
 
 @pytest.mark.slow
@@ -663,7 +649,7 @@ def test_finetune_killed_rank_then_resume_is_exact(lora, start, hf, tmp_path):
     run.wait_until(lambda: run.steps_logged() >= 4 and len(run.workers()) == 2, "step 4")
     os.kill(next(pid for pid in run.workers() if rank_of(pid) == 1), signal.SIGKILL)
     assert run.finish() != 0 and run.left == []
-    code, output = run_command(run.proc.args, env={"PYTHONPATH": str(REPO / "tests" / "cpu_shim")})
+    code, output = run_command(run.proc.args, env={"PYTHONPATH": str(REPO / "tests" / "helpers" / "cpu_shim")})
     assert code == 0, output[-4000:]
     resumed = LaunchResult(code, output, run.log_path.parent)
     assert resumed.summary["resumed_from_step"] in (3, 6)

@@ -4,6 +4,9 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
 
     run.py                      Run: the object a recipe's loop calls; the façade over the modules below
     cadence.py                  when to evaluate and when to save: a small object of pure functions
+    starting.py                 what a run settles before it loads anything: lock, resume, results, a finished run
+    epochs.py                   the epoch loop a resumed run re-enters mid-epoch, exactly
+    finishing.py                the end of a run: the final evaluation, the export, the summary, the results line
     flags.py                    the run services' flags (RUN_FLAGS, add_run_args), with their help
     checkpoint/checkpointer.py  --checkpoint-dir behind one object: the lock at start-up, then save, choose, load
     checkpoint/layout.py        the names and size limits of what a --checkpoint-dir holds (standard library)

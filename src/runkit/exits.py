@@ -13,9 +13,16 @@ import atexit
 import json
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import time
+
+# What a process that ended itself by a signal leaves in a launch's output (C++'s std::terminate, a segfault;
+# torchrun's failure report names the signal): teardown() exists so that no run of this project shows it. The tests'
+# check_exit and bench/exit_stress.py look for it.
+SELF_INFLICTED = re.compile(r"terminate called[^\n]*|Signal \d+ \((?:SIGABRT|SIGSEGV|SIGBUS|SIGILL|SIGFPE)\)[^\n]*"
+                            r"|exitcode\s*:\s*-(?:6|11|7|4|8)\b[^\n]*|Segmentation fault|Aborted \(core dumped\)")
 
 
 def main_print(accelerator):
@@ -79,9 +86,9 @@ def teardown(accelerator, code=0):
     thread to fall into. One process has no process group, and returns normally."""
     accelerator.free_memory()
     accelerator.end_training()
+    _end_data_workers()
     if accelerator.num_processes == 1:
         return code
-    _end_data_workers()
     atexit._run_exitfuncs()  # what interpreter exit runs first, while everything is alive
     sys.stdout.flush()
     sys.stderr.flush()
@@ -91,9 +98,10 @@ def teardown(accelerator, code=0):
 def _end_data_workers():
     """DataLoader workers still alive here (persistent_workers=True keeps them for the next epoch) are killed.
 
-    Interpreter exit would send them SIGTERM and join them, but a worker forked from a run inherits the run's
-    stop handler and takes SIGTERM as "stop after this step" (what Slurm's signal to every task needs), so
-    that join waited forever: the run had written its results and never exited. SIGKILL cannot be taken so;
+    Interpreter exit would send them SIGTERM and join them, but a worker ignores the stop signals (Slurm signals
+    every task of a step: stopping.ignore_stop_signals), so that join waited forever: the run had written its
+    results and never exited. One process too: its loaders may outlive main() (a signal handler's closure holds
+    the run), so their workers are still there at exit. SIGKILL cannot be taken so;
     the workers hold nothing to save. torch's SIGCHLD handler is set back first: it raises for a worker that
     dies by a signal, which here is on purpose."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -32,6 +32,35 @@ def quiet_progress_bars():
             getattr(sys.modules[module], switch)()
 
 
+def point_trackers(accelerator, output_dir, report_to):
+    """The trackers' directory: the run's output directory (a resume that continues elsewhere moves it)."""
+    config = accelerator.project_configuration
+    config.set_directories(output_dir)
+    config.logging_dir = output_dir  # set_directories keeps a logging_dir set before: a resume moves it
+    if report_to == "tensorboard":
+        from accelerate.tracking import filter_trackers
+        # What Accelerator(log_with=...) would do, once the output directory is known: it depends on the engine,
+        # and accelerate refuses a tracker without a logging directory at construction.
+        accelerator.log_with = filter_trackers("tensorboard", output_dir)
+
+
+def first_line(accelerator, engine, batch, optimizer, describe, total_steps, how_to_stop):
+    """A run's first line: what runs, on what, how far, and the command that stops it. batch: (the global batch,
+    the accumulation steps); engine: engines.engine_facts."""
+    from .engines import precision_source
+    from .optimizers import implementation, optimizer_name
+    (batch_size, grad_accum), world = batch, accelerator.num_processes
+    sp = engine["sequence_parallel"]  # processes that share each sequence: they read the same batch
+    per = f"group of {sp}, each sequence split over the group (sequence parallel)" if sp > 1 else "process"
+    split = f"{grad_accum} x {batch_size // grad_accum // (world // sp)} per {per}"
+    steps = f"{total_steps} step{'s' if total_steps != 1 else ''}"
+    processes = f"{world} process{'es' if world != 1 else ''} on {accelerator.device.type}"
+    return (f"{engine['distributed_type']} | {processes} | mixed precision {engine['mixed_precision']}"
+            f"{precision_source(engine)} | ZeRO stage {engine['deepspeed_stage'] or '-'} | optimizer "
+            f"{optimizer_name(optimizer)} ({implementation(optimizer)}) | global batch {batch_size} ({split}) | "
+            f"{describe + ' | ' if describe else ''}{steps} | {how_to_stop}")
+
+
 def start_tracking(accelerator, args):
     """Collective-free; the tracker lives on the main process. Hyper-parameters are the scalar flags."""
     if args.report_to == "tensorboard":

@@ -31,6 +31,18 @@ def new_run_id():
     return secrets.token_hex(16)
 
 
+def continued(checkpoint, checkpoint_dir):
+    """(run id, its recorded output directory) of the run that wrote `checkpoint` ((path, manifest)) when this run
+    continues it: the checkpoint is in this run's --checkpoint-dir. Otherwise (a fresh start; a checkpoint from
+    elsewhere, which starts a branch and leaves the original's results alone) a new id and None."""
+    if checkpoint and checkpoint_dir and (os.path.realpath(os.path.dirname(checkpoint[0]))
+                                          == os.path.realpath(checkpoint_dir)):
+        state = checkpoint[1].get("train_state") or {}
+        if isinstance(state.get("run_id"), str) and RUN_ID.fullmatch(state["run_id"]):
+            return state["run_id"], state.get("output_dir")
+    return new_run_id(), None
+
+
 def default_form(path, recipe):
     """Whether `path` (a recorded output directory) is one this recipe's defaults make: runs/<recipe>/<name>, relative,
     of plain names, with no symbolic link on the way."""

@@ -27,38 +27,34 @@ same metrics, line for line (timings aside).
 """
 
 import contextlib
-import itertools
 import math
 import os
 import sys
 import time
 
 import torch
-from accelerate.tracking import filter_trackers
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from . import results
 from .cadence import Cadence, Progress
 from .checkpoint import NoCheckpoints
 from .checkpoint.rules import must_match_settings
-from .collectives import main_process_result
 from .engines import (
     cast_buffers_for_half_precision,
     deepspeed_clip_like,
     engine_facts,
-    exported_weights,
     fsdp_reduce_in_fp32,
     gradient_sync,
     name_the_cpu_for_deepspeed,
-    precision_source,
     quiet_deprecated_collectives,
     run_label,
 )
+from .epochs import resumable_epochs
 from .exits import fail, main_print, teardown
+from .finishing import finish_run
 from .flags import RUN_FLAGS
 from .launcher import die_with_launcher
-from .optimizers import implementation, optimizer_name, repoint_scheduler
+from .optimizers import repoint_scheduler
 from .refusals import (
     check_batch,
     check_deepspeed_flags,
@@ -71,38 +67,16 @@ from .reporting import (
     MetricsLog,
     StepProfiler,
     evaluation_line,
-    footprint,
+    first_line,
     peaks_at_start,
-    plot_curves,
     progress_line,
     quiet_progress_bars,
-    run_summary,
     start_tracking,
-    write_summary,
 )
 from .sharded_model import BUILT_WHOLE, check_whole_model_fits, sharded_building
+from .starting import already_complete, keeps_checkpoints, place_results, settle
 from .stopping import GracefulStop, how_to_stop, stopped
 from .timing import StepTimer
-
-
-def resumable_epochs(accelerator, loader, progress, epochs, steps_per_epoch, grad_accum=1, seed=0):
-    """Yield (epoch, optimizer steps already done in it, micro-batch iterator), resuming mid-epoch exactly.
-
-    set_epoch makes the shuffle depend on (seed, epoch) only, so a resumed run sees the same order,
-    and skip_first_batches fast-forwards through what the checkpoint already holds. islice stops at
-    a whole number of optimizer steps: --grad-accum never makes a short step.
-
-    Each epoch's loader draws its workers' base seed from a generator of its own, seeded by seed + epoch.
-    Without one it draws from torch's global RNG when its iterator starts: at the epoch's start in the
-    uninterrupted run, at the resume point in a resumed one, which would shift every random number after
-    it (dropout masks) against the checkpoint's restored RNG state.
-    """
-    for epoch in range(progress["epoch"], epochs):
-        loader.set_epoch(epoch)
-        done = progress["step_in_epoch"] if epoch == progress["epoch"] else 0
-        batches = accelerator.skip_first_batches(loader, done * grad_accum) if done else loader
-        getattr(batches, "base_dataloader", batches).generator = torch.Generator().manual_seed(seed + epoch)
-        yield epoch, done, itertools.islice(batches, (steps_per_epoch - done) * grad_accum)
 
 
 class Run:
@@ -145,61 +119,7 @@ class Run:
         fsdp_reduce_in_fp32(accelerator)
         self.engine_facts = engine_facts(accelerator)
         self.default_output_dir = default_output_dir or os.path.join("runs", self.name, run_label(accelerator))
-        # The directory's lock first: a second run on it stops in seconds, before it loads data or a model.
-        self.lock, self.peeked = None, None
-        if self._keeps_checkpoints():  # else the checkpoint package is not even imported
-            from .checkpoint import lock_directory
-            self.lock, self.peeked = lock_directory(accelerator, self.args.checkpoint_dir, self.args.resume, self.name)
-        self._place_results(self.peeked)
-        self._complete_before_loading()
-
-    def _place_results(self, checkpoint):
-        """Collective: the output directory and the run's id, decided by the main process (results.choose) for a run
-        that resumes `checkpoint` ((path, manifest), or None for a fresh start); refused on every rank if
-        --output-dir holds another run's results."""
-        acc, result = self.accelerator, (None, None)
-        if acc.is_main_process:
-            run_id, recorded = self._continues(checkpoint)
-            place, note, error = results.choose(self.args.output_dir, self.default_output_dir, self.name, run_id,
-                                                recorded)
-            result = ((place, run_id, note), error)
-        place, self.run_id, self.results_note = main_process_result(acc, result)
-        self._write_results_to(place)
-
-    def _complete_before_loading(self):
-        """Collective: the same command again after the run finished is answered here, before any data or model
-        loads, when the checkpoint the resume would take says so (checkpoints.finished); else start() decides."""
-        acc, done = self.accelerator, None
-        if acc.is_main_process and self.args.resume == "auto" and self.peeked:
-            from .checkpoint.choose import finished
-            done = finished(self.peeked, self.args.checkpoint_dir, must_match_settings(self.args, self.may_change, {}))
-        if main_process_result(acc, (done, None)):
-            self._already_complete(done, self.peeked[1])
-
-    def _keeps_checkpoints(self):
-        """Whether this run saves checkpoints (--checkpoint-dir) or resumes one (--resume PATH)."""
-        return bool(self.args.checkpoint_dir) or self.args.resume not in ("auto", "none")
-
-    def _continues(self, checkpoint):
-        """(run id, its recorded output directory) of the run that wrote `checkpoint` when this run continues it: the
-        checkpoint is in this run's --checkpoint-dir. Otherwise (a fresh start; a checkpoint from elsewhere, which
-        starts a branch and leaves the original's results alone) a new id and None."""
-        directory = self.args.checkpoint_dir
-        if checkpoint and directory and os.path.realpath(os.path.dirname(checkpoint[0])) == os.path.realpath(directory):
-            state = checkpoint[1].get("train_state") or {}
-            if isinstance(state.get("run_id"), str) and results.RUN_ID.fullmatch(state["run_id"]):
-                return state["run_id"], state.get("output_dir")
-        return results.new_run_id(), None
-
-    def _write_results_to(self, output_dir):
-        self.output_dir = output_dir
-        config = self.accelerator.project_configuration
-        config.set_directories(output_dir)  # the trackers write under it
-        config.logging_dir = output_dir  # set_directories keeps a logging_dir set before: a resume moves it
-        if self.args.report_to == "tensorboard":
-            # What Accelerator(log_with=...) would do, once the output directory is known: it depends on the
-            # engine, and accelerate refuses a tracker without a logging directory at construction.
-            self.accelerator.log_with = filter_trackers("tensorboard", output_dir)
+        settle(self)  # the lock, the checkpoint to resume, where results go, a finished run: before any loading
 
     @contextlib.contextmanager
     def sharded_init(self, from_pretrained=False, quantized=False):
@@ -244,7 +164,7 @@ class Run:
         self.cadence = Cadence(steps_per_epoch, total_steps, evaluates=evaluate is not None, eval_every=eval_every,
                                saves=bool(args.checkpoint_dir), checkpoint_every=args.checkpoint_every)
         must_match = must_match_settings(args, self.may_change, data_facts or {})
-        if self._keeps_checkpoints():
+        if keeps_checkpoints(args):
             from .checkpoint import Checkpointer
             self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock,
                                              self.name)
@@ -252,10 +172,11 @@ class Run:
             self.checkpointer = NoCheckpoints()
         chosen = self.checkpointer.choose(args.resume)
         if (chosen and chosen[0]) != (self.peeked and self.peeked[0]):  # the manifests alone pointed elsewhere
-            self._place_results(chosen)
+            place_results(self, chosen)
         if chosen and chosen[1]["train_state"]["step"] >= total_steps:
-            self._already_complete(*chosen)
-        self.print(self._first_line(optimizer, describe))
+            already_complete(self, *chosen)
+        self.print(first_line(acc, self.engine_facts, (self.batch_size, self.grad_accum), optimizer, describe,
+                              total_steps, how_to_stop(args.checkpoint_dir)))
         self.state = {"epoch": 0, "step_in_epoch": 0, "step": 0, "epochs_run": 0, "first_loss": None,
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
         if chosen:
@@ -267,7 +188,7 @@ class Run:
         self.resumed_from = self.state["step"] or None
         self.resumed_layout = chosen[1]["layout"] if chosen else None
         self.peaks_at_start = peaks_at_start(acc)  # building, preparing and loading the model: collective
-        self._resumed_time = self.state["train_time"]  # training time of the runs before this one
+        self.resumed_time = self.state["train_time"]  # training time of the runs before this one
         self.timer = StepTimer(acc)
         if self.state["window"]:
             self.timer.load_window_state(self.state["window"])
@@ -282,32 +203,6 @@ class Run:
         self.end_of_run = {"evaluation_s": 0.0, "checkpoint_s": 0.0}
         self.stopper.begin()  # a stop signal from here on saves a checkpoint; before, it ended the run at once
         self.stopper.on_interrupt(lambda: (self.state["step"], self.checkpointer.newest))
-
-    def _first_line(self, optimizer, describe):
-        """What runs, on what, how far, and the command that stops it."""
-        acc, e, world = self.accelerator, self.engine_facts, self.accelerator.num_processes
-        sp = e["sequence_parallel"]  # processes that share each sequence: they read the same batch
-        per_process = self.batch_size // self.grad_accum // (world // sp)
-        return (f"{e['distributed_type']} | {world} process{'es' if world != 1 else ''} on {acc.device.type} | "
-                f"mixed precision {e['mixed_precision']}{precision_source(e)} | ZeRO stage "
-                f"{e['deepspeed_stage'] or '-'} | optimizer {optimizer_name(optimizer)} ({implementation(optimizer)})"
-                f" | global batch {self.batch_size} ({self.grad_accum} x {per_process} per "
-                f"{'process' if sp == 1 else f'group of {sp}, each sequence split over the group (sequence parallel)'})"
-                f" | "
-                f"{describe + ' | ' if describe else ''}{self.total_steps} step{'s' if self.total_steps != 1 else ''}"
-                f" | {how_to_stop(self.args.checkpoint_dir)}")
-
-    def _already_complete(self, path, manifest):
-        """The same command again after the run finished: say where its results are, change nothing, exit 0."""
-        state = manifest["train_state"]
-        self.print(f"this run is already complete: {path} holds its last step ({state['step']} of "
-                   f"{state['total_steps']}); its results are in {self.output_dir} (summary.json, metrics.jsonl). "
-                   f"Nothing was changed. To train again, give another --checkpoint-dir.")
-        if getattr(self, "checkpointer", None):
-            self.checkpointer.release()
-        elif self.lock:
-            self.lock.release()
-        sys.exit(teardown(self.accelerator, 0))
 
     def _train_time(self):
         return self.state["train_time"] + time.perf_counter() - self.train_start
@@ -395,7 +290,7 @@ class Run:
         rate = f"{self.unit}_per_s" if self.unit == "tokens" else "samples_per_s"
         record[rate] = record.pop("samples_per_s")
         if self.flops_per_unit and self.peak_tflops:
-            record["mfu"] = self._mfu(record[rate])
+            record["mfu"] = self.mfu(record[rate])
         s["first_loss"] = record["loss"] if s["first_loss"] is None else s["first_loss"]
         s["final_loss"] = record["loss"]
         self._say(progress_line(record, fields, self.total_steps, self.unit))
@@ -409,7 +304,7 @@ class Run:
         else:
             tqdm.write(line)
 
-    def _mfu(self, units_per_s):
+    def mfu(self, units_per_s):
         return self.flops_per_unit * units_per_s / (self.peak_tflops * 1e12 * self.accelerator.num_processes)
 
     def _training_done(self):
@@ -453,9 +348,8 @@ class Run:
     def finish(self, model, exclude=(), export=None, **summary):
         """Collective. After a stop: the message and exit code 75 (1 without checkpoints). Otherwise
         model.safetensors (ZeRO-3 and FSDP shards gathered; or export(weights) on the main process, returning
-        its path), summary.json with the SUMMARY line, and where every result went. Returns the exit code (a run
-        of several processes ends in it with that code: exits.teardown). What the run spends after its last step
-        goes into the summary by part (end_of_run)."""
+        its path), summary.json with the SUMMARY line, and where every result went (finishing.py). Returns the exit
+        code (a run of several processes ends in it with that code: exits.teardown)."""
         acc, args = self.accelerator, self.args
         train_time, finishing = self._train_time(), time.perf_counter()
         self.profiler.stop()
@@ -465,59 +359,9 @@ class Run:
         self.stopper.ignore_from_now()
         if self.trained_at is None:  # no step left to train (--epochs 0): the end starts here
             self._training_done()
-        end = self.end_of_run
-        end["recipe_s"] = max(finishing - self.trained_at - end["evaluation_s"] - end["checkpoint_s"], 0.0)
-        if self._evaluation_due("end"):
-            self._evaluate("end")
-        started = time.perf_counter()
-        weights = exported_weights(acc, model, exclude)  # collective: shards gathered, fp32, the model's own names
-        exported = None
-        if acc.is_main_process:
-            exported = export(weights) if export else os.path.join(self.output_dir, "model.safetensors")
-            if not export:  # written beside, then renamed over the name: a link planted there is never followed
-                results.written_by(exported, lambda name: save_file(weights, name))
-        end["export_s"] = time.perf_counter() - started
-        started = time.perf_counter()
-        shards = footprint(acc, model)  # collective
-        timing = self.timer.timing(self.samples_per_micro, self.unit)
-        if acc.is_main_process:
-            self._write_results(weights, exported, train_time, (shards, timing, summary), started)
+        finish_run(self, model, exclude, export, summary, (train_time, finishing))
         self.checkpointer.release()
         return teardown(acc, 0)
-
-    def _write_results(self, weights, exported, train_time, fields, started):
-        """Main process: close the logs, draw the curves, write summary.json with its SUMMARY line, name the files.
-        fields: (the memory footprint, the steady-state timing, the recipe's extra fields)."""
-        s, out, t = self.state, self.output_dir, self.timer
-        shards, timing, summary = fields
-        this_run = s["step"] - (self.resumed_from or 0)
-        rate = this_run * self.samples_per_micro * self.grad_accum / max(train_time - self._resumed_time, 1e-9)
-        self.metrics.close()
-        if self.evals:
-            self.evals.close()
-        if self.args.report_to != "none":
-            self.print(f"curves: {plot_curves(out, self.name)}")
-        end = {**self.end_of_run, "report_s": time.perf_counter() - started}
-        end["total_s"] = time.perf_counter() - self.trained_at
-        rates = {f"{self.unit}_per_s": rate}
-        if self.flops_per_unit:
-            rates["mfu"] = self._mfu(rate) if self.peak_tflops else None
-        measured = {**shards, "timing": timing, "checkpoints": self.checkpointer.times, "end_of_run": end}
-        write_summary(out, *run_summary(self._run_facts(), s, rates, t, weights, measured, summary))
-        written = [os.path.join(out, name) for name in ("summary.json", "metrics.jsonl", "eval.jsonl")
-                   if os.path.exists(os.path.join(out, name))]
-        self.print("results: " + ", ".join(written + [exported]))
-
-
-    def _run_facts(self):
-        """What the summary says of the run itself (reporting.run_summary): who ran, on what, from which checkpoint."""
-        return {"recipe": self.name, "output_dir": self.output_dir, "engine": self.engine_facts,
-                "optimizer": optimizer_name(self.optimizer), "optimizer_implementation": implementation(self.optimizer),
-                "resumed_from_step": self.resumed_from,
-                "resumed_from_world_size": self.resumed_layout and self.resumed_layout["world_size"],
-                "resume_changes": self.checkpointer.reshaped, "model_init": self.model_init,
-                "peaks_at_start": self.peaks_at_start, "wall_time_s": time.perf_counter() - self.t_start,
-                "args": vars(self.args)}
 
 
 def eager_if_compiled():

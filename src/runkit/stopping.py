@@ -101,6 +101,9 @@ class GracefulStop:
         exit, which for SIGUSR1 is death, but it leaves SIG_IGN alone."""
         for number in self.numbers:
             signal.signal(number, signal.SIG_IGN)
+        # Ctrl-C's one line names the newest checkpoint (on_interrupt): from here on Python's own handler, which
+        # also lets go of the run (the loaders, the model) that the line's closure held.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _handler(self, signum, frame):
         # Only set a flag: the step in flight finishes, and no collective is left half-done.

@@ -1,6 +1,7 @@
 """What finetune_lm.py builds on beside the run services, one module per concern:
 
     examples.py      the data: records on disk or on the hub, read into the examples a causal model learns from
+    records.py       reading the data files, and naming what is wrong with a record by its file and line
     packing.py       examples packed into blocks, each attending only to itself (or padded, one per block)
     pretrained.py    a pretrained Hugging Face model, loaded for a fine-tune under every engine
     weights.py       its weight files checked and fingerprinted without loading them

@@ -25,9 +25,6 @@ It makes no distributed call itself.
 
 import argparse
 import contextlib
-import glob
-import json
-import os
 import re
 import signal
 import threading
@@ -36,6 +33,15 @@ from typing import NamedTuple
 from runkit.exits import one_line
 
 from .packing import BLOCK_COLUMNS, IGNORE, block_facts, into_blocks
+from .records import (  # noqa: F401  (DataProblem: what the recipe catches, imported from here)
+    DataProblem,
+    data_reader,
+    is_conversation,
+    missing_assistant,
+    record_location,
+    unreadable,
+    value_problem,
+)
 
 # What --format auto needs in the columns for each format, and what to name when they are missing.
 COLUMN_FLAGS = {"pairs": ("prompt_column", "response_column"), "chat": ("messages_column",),
@@ -50,12 +56,6 @@ NO_CHAT_TEMPLATE = ("--format chat renders conversations with the tokenizer's ch
                     "directory (chat_template.jinja, or chat_template in tokenizer_config.json)")
 MIN_EXAMPLES = 20  # fewer leave no held-out example to evaluate on
 TEMPLATE_SECONDS = 5  # one conversation's rendering through the chat template (milliseconds, for a real template)
-KINDS = {"str": "text", "list": "a list", "dict": "an object", "int": "a number", "float": "a number",
-         "bool": "true or false"}  # what a JSON value is, as a message says it
-
-
-class DataProblem(ValueError):
-    """Any problem with the data: reported as one message, never as a tokenizer's or a loader's traceback."""
 
 
 class RecordProblem(DataProblem):
@@ -148,109 +148,6 @@ def load_examples(args, tokenizer, block_size, eval_examples):
 
 def pad_id(tokenizer):
     return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-
-
-def data_reader(args):
-    """(source, the files in the order they are read (None for a hub dataset), a function that loads it as one
-    `datasets` split)."""
-    from datasets import load_dataset  # here: --help stays quick
-    if args.dataset:
-        return args.dataset, None, lambda: load_dataset(args.dataset, args.dataset_config, split="train")
-    files = sorted(f for pattern in (args.data_files or "").split(",") if pattern
-                   for f in glob.glob(os.path.expanduser(pattern)))
-    if not files:
-        raise DataProblem(f"--data-files {args.data_files!r} matches no file; give .txt or .jsonl paths or globs")
-    records = all(f.endswith((".json", ".jsonl")) for f in files)
-    return args.data_files, files, lambda: load_dataset("json" if records else "text", data_files=files,
-                                                        split="train")
-
-
-def unreadable(args, files, exc):
-    """The message for data that `datasets` could not load: the hub's error, or the first line of a JSON file that is
-    not a record, named by file and line (the library names neither)."""
-    said = one_line(f"{type(exc).__name__}: {exc}")
-    if files is None:
-        return f"could not load --dataset {args.dataset!r} ({said}). Offline, use --data-files"
-    for path in (f for f in files if f.endswith((".json", ".jsonl"))):
-        if problem := json_problem(path):
-            return problem
-    return f"could not read --data-files {args.data_files!r} ({said})"
-
-
-def json_problem(path):
-    """None, or `FILE, line N: ...` for the first line of a JSON Lines file that is not one JSON record (an object),
-    or where a file of one JSON document stops being JSON."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
-    if lines and record_problem(lines[0][1]) is None:  # JSON Lines: one object a line
-        kinds = {}  # each column's kind of value, as the first record that has it holds it
-        for number, line in lines:
-            if problem := record_problem(line):
-                return f"{path}, line {number}: not a JSON record ({problem}); fix or remove that line"
-            if problem := kind_problem(json.loads(line), kinds):
-                return f"{path}, line {number}: not a record like the others ({problem}); fix or remove that line"
-        return None
-    try:
-        json.loads("".join(line for _, line in lines))
-    except ValueError as exc:
-        return f"{path}, line {getattr(exc, 'lineno', '?')}: not JSON ({getattr(exc, 'msg', exc)}); fix that line"
-    return None
-
-
-def record_problem(line):
-    """None for a line that is one JSON object, else what is wrong with it."""
-    try:
-        value = json.loads(line)
-    except ValueError as exc:
-        return getattr(exc, "msg", str(exc))
-    return None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
-
-
-def kind_problem(record, kinds):
-    """None, or which value holds another kind (text, list, object, number) than at the same place in the records
-    before: a column, or a key inside one (`messages[].content`), as Arrow needs one type per place."""
-    for place, value in leaves(record):
-        kind = KINDS.get(type(value).__name__, type(value).__name__)
-        if value is not None and kinds.setdefault(place, kind) != kind:
-            return f"its {place!r} holds {kind}, the records before {kinds[place]}"
-    return None
-
-
-def leaves(value, place=""):
-    """(place, value) of every value in a JSON record, lists and objects included, their items as `place[]`."""
-    if place:
-        yield place, value
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from leaves(item, f"{place}.{key}" if place else key)
-    elif isinstance(value, list):
-        for item in value:
-            yield from leaves(item, f"{place}[]")
-
-
-def record_location(files, index):
-    """Where the record at `index` of the loaded split is: `FILE, line N` for JSON Lines files (read in order,
-    blank lines skipped, as `datasets` reads them), else `record N`."""
-    seen = 0
-    for path in files if files and all(f.endswith(".jsonl") for f in files) else ():
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, 1):
-                seen += bool(line.strip())
-                if seen == index + 1:
-                    return f"{path}, line {number}"
-    return f"record {index + 1} of {files[0] if files and len(files) == 1 else 'the data'}"
-
-
-def missing_assistant(source, conversations):
-    """None, or the message for chats in which no turn has the role 'assistant', the turns a fine-tune learns."""
-    roles = sorted({m.get("role") for c in conversations if isinstance(c, list) for m in c if isinstance(m, dict)}
-                   - {None})
-    if "assistant" in roles or not roles:
-        return None
-    fix = ("ShareGPT's names: rename 'gpt' to 'assistant' and 'human' to 'user'" if {"gpt", "human"} & set(roles)
-           else "give the turns to learn the role 'assistant'")
-    return (f"{source!r}: no turn has the role 'assistant', the turns a chat fine-tune learns; the roles found are "
-            f"{', '.join(map(repr, roles))}: {fix}")
 
 
 def choose_format(args, records, columns):
@@ -401,32 +298,6 @@ def assistant_positions(tokenizer, messages):
         spans.append((len(before), len(through)))
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return encoded["input_ids"], [any(a <= start < b for a, b in spans) for start, _ in encoded["offset_mapping"]]
-
-
-def is_conversation(value):
-    return isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
-
-
-def value_problem(column, value, conversation):
-    """Why a record's `column` value cannot be used (a conversation when `conversation`, else text), or None."""
-    if conversation:
-        if is_conversation(value):
-            return None
-        if isinstance(value, str):
-            return (f"the column {column!r} holds text, not conversations (lists of {{role, content}} turns): "
-                    f"use --format text --text-column {column}, or --format pairs")
-        if isinstance(value, list) and value and all(isinstance(m, dict) and {"from", "value"} <= m.keys()
-                                                     for m in value):
-            return (f"the column {column!r} holds turns of {{from, value}} (ShareGPT's), not {{role, content}}: rename "
-                    f"the keys to role and content, and the roles 'human' and 'gpt' to 'user' and 'assistant'")
-        return f"the column {column!r} holds {value!r:.60}, not a list of {{role, content}} turns with text content"
-    if isinstance(value, str):
-        return None
-    if value and is_conversation(value):
-        return (f"the column {column!r} holds conversations (lists of {{role, content}} turns), not text: use "
-                f"--format chat --messages-column {column}")
-    return f"the column {column!r} holds {value!r:.60}, not text: name a column of strings"
 
 
 def cut_note(cuts, fmt, block_size):

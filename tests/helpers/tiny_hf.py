@@ -1,8 +1,8 @@
 """A tiny Hugging Face causal LM and its data, written in their real on-disk formats, for
 recipes/finetune_lm.py on machines that cannot download a model.
 
-    python tests/tiny_hf.py DIR     # DIR/model (Llama, save_pretrained + tokenizer), DIR/*.jsonl, DIR/text.txt
-    python tests/tiny_hf.py --help  # what it writes; DIR defaults to ./tiny_hf
+    python tests/helpers/tiny_hf.py DIR     # DIR/model (Llama, save_pretrained + tokenizer), DIR/*.jsonl, DIR/text.txt
+    python tests/helpers/tiny_hf.py --help  # what it writes; DIR defaults to ./tiny_hf
 
 The model is a Llama of 2 layers and width 32 with random weights, saved with save_pretrained
 (config.json, model.safetensors). Its tokenizer is a byte-level BPE trained here on the text,

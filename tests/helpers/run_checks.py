@@ -2,8 +2,10 @@
 
 Owns the comparisons between two runs (the same parameters bit for bit, the same metrics step by step,
 timings aside) and the checks on one run's summary (the engine that really ran, the part of the weights
-each rank holds, a config refused with one clear line).
+each rank holds, a config refused with one clear line), and a file's digest (a result not rewritten).
 """
+
+import hashlib
 
 import pytest
 import torch
@@ -54,3 +56,8 @@ def assert_shards_held(summary, config):
     else:
         assert all(n == summary["param_elements"] for n in per_rank)
         assert len(set(summary["param_checksum_per_rank"])) == 1
+
+
+def digest(path):
+    """SHA-256 of a file's bytes: what a test compares to say a result was not rewritten."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()

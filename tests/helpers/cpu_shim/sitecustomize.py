@@ -174,7 +174,7 @@ def _install():
         _slow_load(float(os.environ["TEST_SLOW_LOAD_SECONDS"]))
     if os.environ.get("TEST_SLOW_DATA_SECONDS"):
         _slow_data(float(os.environ["TEST_SLOW_DATA_SECONDS"]))
-    route = os.path.join(os.path.dirname(__file__), "..", "..", "cpu_route", "sitecustomize.py")
+    route = os.path.join(os.path.dirname(__file__), "..", "..", "..", "cpu_route", "sitecustomize.py")
     spec = importlib.util.spec_from_file_location("cpu_route_sitecustomize", route)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 

@@ -1,5 +1,5 @@
 """The GPU pack's hook in every process a test of tests/test_gpu.py launches (the tests put this folder on
-PYTHONPATH; unlike tests/cpu_shim it does not load the CPU route). Off unless its variable is set:
+PYTHONPATH; unlike tests/helpers/cpu_shim it does not load the CPU route). Off unless its variable is set:
 
 * TEST_SYNC_DEBUG_STEPS=A:B: after the optimizer step A, torch.cuda.set_sync_debug_mode("error") makes every
   operation that makes the host wait for the GPU raise (a blocking copy, .item(), a device-to-host read...);

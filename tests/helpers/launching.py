@@ -9,7 +9,7 @@ How each config runs on CPU (the "CPU route"), found with accelerate 1.15 / torc
   * distributed_type NO or MULTI_GPU: ACCELERATE_USE_CPU=1, accelerate's own switch.
     The launcher still starts one process per requested GPU, and the workers form
     a gloo process group (MULTI_CPU).
-  * DEEPSPEED or FSDP: tests/cpu_shim on PYTHONPATH (it loads cpu_route/, the users' CPU route, plus two
+  * DEEPSPEED or FSDP: tests/helpers/cpu_shim on PYTHONPATH (it loads cpu_route/, the users' CPU route, plus two
     test-only hooks), because ACCELERATE_USE_CPU=1 silently turns both off. The shim is on the path of every
     launch: it also gives SyncBatchNorm (--sync-bn) a CPU path, and does nothing else.
   * multi-node configs: overridden to one machine at 127.0.0.1.
@@ -29,13 +29,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from benchmark import deepspeed_json_in  # noqa: E402  (one place that makes a DeepSpeed JSON's fp32 copy)
-from exit_stress import SELF_INFLICTED  # noqa: E402  (one pattern for a process that aborted, here and there)
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "launch"))
+from precision import deepspeed_json_in  # noqa: E402  (launch/: the one copy of a DeepSpeed JSON in a precision)
+from runkit.exits import SELF_INFLICTED  # noqa: E402  (one pattern for a process that aborted, here and in bench/)
 
 CONFIG_DIR = REPO / "accelerate_configs"
-CPU_SHIM = REPO / "tests" / "cpu_shim"
+CPU_SHIM = REPO / "tests" / "helpers" / "cpu_shim"
 YAML_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))  # every shipped config
 # Sequence parallelism (Ulysses) is finetune_lm.py's alone: tests/test_sequence_parallel.py launches it, the other
 # recipes refuse it in one line (runkit/refusals.py), and the recipes' matrices (CONFIG_FILES) leave it out.
@@ -174,6 +174,19 @@ EXPECTED = {
 OFFLOAD = "deepspeed_zero3_offload.yaml"  # the config that swaps the optimizer for DeepSpeed's CPU Adam
 
 
+def process_group(config):
+    """What a config makes of the processes on this CPU machine: (distributed type, world size)."""
+    return EXPECTED[config][:2]
+
+
+# pi.py and data_sharding.py build no model and no optimizer: what a config changes for them is only the process group
+# it makes, so each runs under one config of every (distributed type, world size) the shipped configs make (4 kinds,
+# not 11 configs; test_configs.py keeps the lists complete as configs are added). cpu.yaml (and 2gpu.yaml for
+# data_sharding) are their references anyway; the others are spread so that the two recipes meet different configs.
+NO_MODEL_CONFIGS = {"pi": ["cpu.yaml", "multinode.yaml", "deepspeed_zero3_offload.yaml", "fsdp.yaml"],
+                    "data_sharding": ["cpu.yaml", "2gpu.yaml", "deepspeed_zero1.yaml", "fsdp.yaml"]}
+
+
 def recipe_args(recipe, config, data):
     """The matrix run's arguments: small, fp32 where runs are compared, checkpoints where resumes are tested."""
     ckpt = ["--checkpoint-dir", str(data / f"ckpt-{recipe}-{config}"), "--keep-last", "0"]
@@ -190,7 +203,7 @@ def recipe_args(recipe, config, data):
     }[recipe]
 
 
-# finetune_lm.py's test runs, on tests/tiny_hf.py's model and data (conftest's hf, finetune and lora fixtures):
+# finetune_lm.py's test runs, on tests/helpers/tiny_hf.py's model and data (conftest's hf, finetune and lora fixtures):
 # 8 steps of 16 blocks of 64 tokens, the uneven pairs packed about 1.5 to a block (every engine runs packed
 # blocks); LoRA of rank 4, in the precision each engine runs it in.
 FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_BLOCK = 8, 16, 64
