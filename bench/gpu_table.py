@@ -91,9 +91,10 @@ PARTS = [
                                    "--recipe-args", f"{FINETUNE} --packing --loss-chunks 1"),
          "the full fine-tune with the plain loss (--loss-chunks 1): peak memory and tokens/s against finetune-full's "
          "default, the loss in 8 chunks", 35, first=True),
-    # The place of the fine-tune part to come: give it its arguments when the recipe has the flag.
-    Part("finetune-qlora", (), "LoRA on 4-bit frozen weights (bitsandbytes, carried in .gpu/w): peak memory, "
-         "tokens/s against LoRA", first=True, missing="recipes/finetune_lm.py has no QLoRA yet"),
+    Part("finetune-qlora", ("--recipe", "finetune_lm", "--configs", EAGER, "--steps", "20",
+                            "--recipe-args", f"{FINETUNE} {LORA} --load-in-4bit --packing"),
+         "LoRA r 16 on the 4-bit (NF4) base (bitsandbytes, carried in .gpu/w): peak memory and tokens/s against "
+         "finetune-lora's eager run", 45, first=True),
     Part("gpt", ("--recipe", "gpt", "--preset", "124M", "--configs", *FULL, "--steps", "60"),
          "GPT-124M: throughput, MFU, recipe / lean loop (goal compiled), compile speed-up", 70, 70, 12),
     Part("mnist", ("--recipe", "mnist", "--configs", *FULL, "--no-baselines", "--steps", "200", "--batch-size", "512"),

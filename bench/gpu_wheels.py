@@ -48,7 +48,7 @@ CARRY = {
     "datasets": "5.2.0",  # gpt.py and finetune_lm.py's data; pyarrow, xxhash, pandas come with the image
     "dill": "",
     "multiprocess": "",
-    "bitsandbytes": "0.50.2",  # QLoRA's 4-bit weights (the table's place for it waits for the recipe's flag)
+    "bitsandbytes": "0.50.2",  # QLoRA's 4-bit weights (finetune_lm.py --load-in-4bit)
 }
 BUILT_HERE = {"deepspeed"}  # a source package only: built into a pure-Python wheel with DS_BUILD_OPS=0
 # Checked after the install: this tree's runkit, the carried ones, the image's that they import (named in issue 42),

@@ -1,6 +1,7 @@
 """bench/: the DDP-by-hand baseline trains the recipe's model, and benchmark.py plans its runs and writes
 a report whose every figure is the runs' own (tiny sizes; no timing is asserted)."""
 
+import dataclasses
 import json
 import re
 import signal
@@ -269,8 +270,8 @@ def gpu_table_modules():
 
 
 INPUTS = {"images": "/in/images", "llama": "/in/llama", "chats": "/in/chats.jsonl"}
-TABLE = ["finetune-full", "finetune-lora", "finetune-padded", "finetune-lora-zero3", "finetune-chunked-loss", "gpt",
-         "mnist", "resnet", "zero2-overlap", "fsdp-units"]
+TABLE = ["finetune-full", "finetune-lora", "finetune-padded", "finetune-lora-zero3", "finetune-chunked-loss",
+         "finetune-qlora", "gpt", "mnist", "resnet", "zero2-overlap", "fsdp-units"]
 
 
 def test_gpu_table_plans_every_comparison(tmp_path):
@@ -293,7 +294,8 @@ def test_gpu_table_plans_every_comparison(tmp_path):
         assert configs[gpus, "mnist"] == configs[gpus, "gpt"] == configs[gpus, "resnet"] == ["1gpu.yaml",
                                                                                               "1gpu_compile.yaml"]
         assert configs[gpus, "finetune-full"] == configs[gpus, "finetune-lora"] == ["1gpu.yaml", "1gpu_compile.yaml"]
-        assert configs[gpus, "finetune-padded"] == configs[gpus, "finetune-chunked-loss"] == ["1gpu.yaml"]
+        assert configs[gpus, "finetune-padded"] == configs[gpus, "finetune-chunked-loss"] == \
+            configs[gpus, "finetune-qlora"] == ["1gpu.yaml"]
         assert configs[gpus, "finetune-lora-zero3"] == ["deepspeed_zero3.yaml"]
     assert configs[2, "zero2-overlap"] == ["deepspeed_zero2.yaml", "deepspeed_zero2.yaml+no-overlap"]
     assert configs[2, "fsdp-units"] == ["fsdp.yaml", "fsdp.yaml+one-unit"]
@@ -314,8 +316,12 @@ def test_gpu_table_plans_every_comparison(tmp_path):
     assert gpu_table.peak_tflops_for("NVIDIA H100 PCIe") == 756 and gpu_table.peak_tflops_for("NVIDIA H100 80GB HBM3") \
         == 989
     assert [p.folder for p in gpu_table.selected(["fsdp-units", "gpt"])] == ["gpt", "fsdp-units"]  # PARTS' order
-    # the parts to come are listed, never run: no command, whatever the machine
-    assert [p.folder for p in gpu_table.PARTS if p.missing] == ["finetune-qlora"]
+    # every part is built now (QLoRA's came last), and a part to come would be listed, never run: no command
+    assert [p.folder for p in gpu_table.PARTS if p.missing] == []
+    to_come = [dataclasses.replace(p, missing="not yet") if p.folder == "finetune-qlora" else p
+               for p in gpu_table.PARTS]
+    assert [f for f, _ in gpu_table.part_commands(tmp_path, 756.0, INPUTS, 2, to_come)] == \
+        [f for f in TABLE if f != "finetune-qlora"]
     with pytest.raises(ValueError, match="no such part: nope"):
         gpu_table.selected(["nope"])
 

@@ -9,6 +9,7 @@ and a dry run of the one command with CUDA absent. Quick: no recipe is launched.
 """
 
 import argparse
+import dataclasses
 import json
 import signal
 import subprocess
@@ -234,6 +235,9 @@ def test_table_writes_each_part_as_it_ends_and_lists_what_it_did_not_reach(tmp_p
     monkeypatch.setattr(gpu_table, "START_SHARE", 0.0)  # the stand-ins need no time of their own
     monkeypatch.setattr(gpu_table, "STOP_GRACE_S", 1)
     monkeypatch.chdir(REPO)
+    # a part still to come (as QLoRA's was): listed in its place, never run
+    monkeypatch.setattr(gpu_table, "PARTS", [dataclasses.replace(p, missing="recipes/finetune_lm.py has no QLoRA yet")
+                                             if p.folder == "finetune-qlora" else p for p in gpu_table.PARTS])
     warmed, built = [], []
 
     def warm_phase(commands, parts, work, gpus, limit_s):
