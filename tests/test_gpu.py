@@ -7,7 +7,7 @@ Each launch checks what only a GPU shows:
     same steps (metrics.jsonl's train_time_s between two progress lines);
   * MFU lies between 0 and 1 (gpt.py, finetune_lm.py with --peak-tflops);
   * the peak device memory is reported (cuda_allocated, above zero);
-  * the chunked loss (finetune_lm's default) against the plain one, with the planner's figure in the log;
+  * the chunked loss (finetune_lm's default) against the plain one, and QLoRA, with the planner's figures in the log;
   * no host synchronisation in steady steps: tests/helpers/gpu_shim switches torch.cuda.set_sync_debug_mode("error")
     on between two progress lines, so an operation that makes the host wait for the GPU fails the run.
     Not under DeepSpeed: its optimizer step reads the gradient norm and the overflow flag on the host
@@ -21,6 +21,7 @@ compilation, which the cores share. The call caps the pack and sizes each launch
 """
 
 import json
+import math
 import os
 import sys
 
@@ -74,11 +75,13 @@ def recipe_args(recipe, data):
     }[recipe], every
 
 
-def gpu_launch(tmp_path, config, recipe, data, processes=None, sync_check=True):
+def gpu_launch(tmp_path, config, recipe, data, processes=None, sync_check=True, extra=()):
     """accelerate launch of recipes/<recipe>.py under `config` on this machine's GPUs (no CPU route), with the
-    sync check between the first two progress lines where it applies (see the module docstring)."""
+    sync check between the first two progress lines where it applies (see the module docstring); `extra`: more of
+    the recipe's flags (its output directory then gets a name of its own)."""
     args, every = recipe_args(recipe, data)
-    out = tmp_path / f"{recipe}-{config.replace('.yaml', '')}"
+    args = [*args, *extra]
+    out = tmp_path / f"{recipe}-{config.replace('.yaml', '')}{'-extra' if extra else ''}"
     cmd = ["accelerate", "launch", "--config_file", str(CONFIG_DIR / config), "--main_process_port", str(free_port()),
            *(["--num_processes", str(processes)] if processes else []),
            f"recipes/{recipe}.py", "--output-dir", str(out), *args]
@@ -215,6 +218,26 @@ def test_chunked_loss_on_one_gpu(tmp_path, gpu_data):
     print(f"planner {sum(planned.values()) * 1e3:.1f} MB ({planned}) beside max_memory_allocated "
           f"{s['peak_memory_mb']:.1f} MB (chunked), {plain.summary['peak_memory_mb']:.1f} MB (plain)")
     assert s["peak_memory_mb"] > 0 and plain.summary["peak_memory_mb"] > 0
+
+
+def test_qlora_on_one_gpu(tmp_path, gpu_data):
+    """QLoRA (--load-in-4bit, LoRA r 16) on one GPU: bitsandbytes' CUDA kernels train the adapters on the NF4 base
+    with no host synchronisation in steady steps, in bf16; the planner's figure for this shape (bench/lm_memory.py,
+    job "QLoRA") printed beside the run's torch.cuda.max_memory_allocated, for the pack's log."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import lm_memory
+    run = gpu_launch(tmp_path, "1gpu.yaml", "finetune_lm", gpu_data, extra=("--lora-r", "16", "--load-in-4bit"))
+    assert_gpu_run(run, "1gpu.yaml", "finetune_lm")
+    s = run.summary
+    assert s["quantized_base"] == "nf4" and s["frozen_dtype"] == "bfloat16", s
+    from safetensors import safe_open
+    model = gpu_data / "hf" / "model"
+    with safe_open(model / "model.safetensors", "pt") as f:  # the base's parameters (param_elements counts packed)
+        n = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    config = json.loads((model / "config.json").read_text())
+    planned = lm_memory.shape_parts(n, config, "QLoRA", s["args"]["batch_size"] * s["block_size"], gpus=1)
+    print(f"planner {sum(planned.values()) * 1e3:.1f} MB ({planned}) beside max_memory_allocated "
+          f"{s['peak_memory_mb']:.1f} MB (QLoRA)")
 
 
 def test_pack_sees_the_gpu():
