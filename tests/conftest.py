@@ -6,10 +6,13 @@ built once before the first slow test, their time reported on its own at the end
 What they are built on (the CPU route, launch commands, LaunchResult, Background) is in launching.py.
 """
 
+import collections
 import json
 import os
+import pty
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,11 +71,53 @@ def _deepspeed_ops_before_the_first_slow_test(request):
         request.getfixturevalue("deepspeed_ops")
 
 
+# Launches per test file, for the terminal summary: what a test starts that imports torch or runs a job (a Python
+# interpreter, accelerate launch, torchrun, a recipe on a terminal, sbatch), counted where it is started. Where the
+# suite's time goes, beside pytest's duration list: a new capability pays for its tests out of this budget.
+LAUNCHERS = ("python", "accelerate", "torchrun", "sbatch")
+LAUNCHES = collections.Counter()
+_counting = {"file": None}
+
+
+def _launched(argv):
+    program = os.path.basename(str(argv[0] if isinstance(argv, (list, tuple)) else str(argv).split()[0]))
+    if _counting["file"] and program.startswith(LAUNCHERS):
+        LAUNCHES[_counting["file"]] += 1
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _counting["file"] = item.nodeid.split("::")[0]
+    try:
+        return (yield)
+    finally:
+        _counting["file"] = None
+
+
+def pytest_configure(config):
+    popen_init = subprocess.Popen.__init__
+
+    def counted(self, args, *rest, **kwargs):
+        _launched(args)
+        popen_init(self, args, *rest, **kwargs)
+    subprocess.Popen.__init__ = counted
+    fork = pty.fork
+
+    def counted_fork():  # launching.on_a_terminal: a launch on a terminal of its own
+        _launched(["python"])
+        return fork()
+    pty.fork = counted_fork
+
+
 def pytest_terminal_summary(terminalreporter, config):
     if DEEPSPEED_OPS in config.stash:
         seconds, built = config.stash[DEEPSPEED_OPS]
         what = "; ".join(line.removeprefix("cpu_route: ") for line in built) or "already built, nothing compiled"
         terminalreporter.write_line(f"DeepSpeed's CPU ops, before the first slow test: {seconds:.0f} s ({what})")
+    if LAUNCHES:
+        per_file = ", ".join(f"{path.removeprefix('tests/')} {count}" for path, count in LAUNCHES.most_common())
+        terminalreporter.write_line(f"launches: {sum(LAUNCHES.values())} (Python, accelerate launch, torchrun, "
+                                    f"sbatch); per file: {per_file}")
 
 
 @pytest.fixture(scope="session")

@@ -73,18 +73,33 @@ WITH_JSON = "  deepspeed_config_file: ds.json\n"
      "remove or correct the key"),
     ("distributed_type: DEEPSPEED\n num_processes: 2\n", None, None, "not valid YAML (line 2", "indentation"),
 ])
-def test_each_trap_is_rejected_with_its_key_and_fix(tmp_path, yaml_text, ds_json, recipe, key, fix):
+def test_each_trap_is_rejected_with_its_key_and_fix(tmp_path, monkeypatch, capsys, yaml_text, ds_json, recipe, key,
+                                                   fix):
+    """check_config.py's main() in this process, from the config's directory (its ds.json is relative to it): exit
+    code 2 and one line on stderr. The command itself, run as a process: the test below."""
     config = tmp_path / "broken.yaml"
     config.write_text(yaml_text)
     if ds_json is not None:
         (tmp_path / "ds.json").write_text(json.dumps(ds_json))
-    cmd = [sys.executable, str(REPO / "launch" / "check_config.py"), str(config)]
-    cmd += ["--recipe", str(REPO / recipe)] if recipe else []
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out
-    lines = out.stderr.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    code = check_config.main([str(config), *(["--recipe", str(REPO / recipe)] if recipe else [])])
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0] and "Fix: " in lines[0], lines
     assert fix in lines[0].split("Fix: ", 1)[1]
+
+
+def test_a_trap_is_one_line_and_exit_2_from_the_command(tmp_path):
+    """The command as a user runs it (a process of its own), on one of the traps above: exit code 2, one line."""
+    config = tmp_path / "broken.yaml"
+    config.write_text("distributed_type: DEEPSPEED\n num_processes: 2\n")
+    out = subprocess.run([sys.executable, str(REPO / "launch" / "check_config.py"), str(config)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "not valid YAML (line 2" in lines[0], lines
+    assert "indentation" in lines[0].split("Fix: ", 1)[1]
 
 
 def test_offload_with_an_adam_recipe_passes_with_a_note():

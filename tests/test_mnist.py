@@ -13,7 +13,6 @@ import torch
 from launching import (
     ALL_CONFIGS,
     CONFIG_DIR,
-    CONFIG_FILES,
     DATA_ARGS,
     EXPECTED,
     TEST_SIZE,

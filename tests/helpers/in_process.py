@@ -5,7 +5,8 @@ What a process of its own would give back is given back here: its exit code (Sys
 it printed (stdout and stderr, as Python writes them), and its exit handlers run when it ends (a run releases its
 --checkpoint-dir lock in one), so that "nothing left behind" is checked as after a real exit. What a run changes in its
 process is put back afterwards: the environment, the stop signals' handlers, the accelerate state, the working
-directory, the random number generators. A run that would hang fails the test after `timeout` seconds instead (SIGALRM interrupts a blocking open).
+directory, the random number generators. A run that would hang fails the test after `timeout` seconds instead (SIGALRM
+interrupts a blocking open).
 
 Each refusal checked this way keeps one real launch elsewhere that shows its line and exit code from a process of its
 own (the test that uses this module names it).
