@@ -433,8 +433,9 @@ def test_two_jobs_on_one_node_at_once(one_node, data_dir, tmp_path):
 def assert_one_launch_per_node(log):
     """Mode per-node: slurm_launch's one line per node, each on its own host, each node's accelerate launch meeting
     the first node at the namespace's address (not localhost), with its own machine rank."""
-    lines = [line for line in log.splitlines() if line.startswith("slurm_launch: ")]
-    assert {line.split()[1] for line in lines} == {"node1", "node2"}, log  # a process on each host
+    lines = [line for line in log.splitlines() if re.match(r"slurm_launch: \S+ node \d+ task \d+: accelerate launch ",
+                                                             line)]  # its launch lines, not its lines on the end
+    assert len(lines) == 2 and {line.split()[1] for line in lines} == {"node1", "node2"}, log  # one on each host
     assert all("--main_process_ip node1" in line for line in lines)  # the namespace address, not localhost
     assert {line.split("--machine_rank ")[1].split()[0] for line in lines} == {"0", "1"}
 
