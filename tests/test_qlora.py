@@ -11,16 +11,16 @@ steps (the adapters only), and a run resumed from its step 3 ends with its losse
 adapter PEFT puts on the 4-bit base, and the merged model from_pretrained loads, give the run's own answer.
 """
 
+import functools
 import json
 import re
-import shutil
 import sys
 
 import pytest
 import torch
 
 from launching import REPO, deepspeed_json_in
-from run_checks import assert_engine
+from run_checks import assert_engine, assert_lora_resumes_exactly, saved_model_keys
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "bench"))
@@ -178,19 +178,7 @@ def assert_exports_answer_as_the_run(run, hf, bf16):
 def assert_checkpoint_holds_the_adapters_only(step):
     """What a save of each engine wrote for the model: LoRA's adapters, and not one tensor of the 4-bit base (its
     packed weights, nor bitsandbytes' quantisation state: absmax, quant_map...)."""
-    if (step / "model.safetensors").exists():
-        from safetensors import safe_open
-        with safe_open(step / "model.safetensors", "pt") as f:
-            keys = list(f.keys())
-    elif (step / "pytorch_model").is_dir():  # DeepSpeed's module states, one per rank under ZeRO-3
-        keys = []
-        for part in (step / "pytorch_model").glob("*_model_states.pt"):
-            states = torch.load(part, weights_only=True)
-            assert not states["frozen_param_fragments"]
-            keys += list(states["module"])
-    else:  # FSDP2: torch.distributed.checkpoint's folder
-        from torch.distributed.checkpoint import FileSystemReader
-        keys = list(FileSystemReader(str(step / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata)
+    keys = saved_model_keys(step)
     assert len(keys) >= 28 and all(".lora_A." in key or ".lora_B." in key for key in keys), keys
 
 
@@ -235,9 +223,4 @@ def test_qlora_checkpoint_holds_the_adapters_and_resumes_exactly(qlora, hf, tmp_
     ref = qlora(config)
     step3 = hf / f"ckpt-qlora-{config}" / "step-00000003"
     assert_checkpoint_holds_the_adapters_only(step3)
-    shutil.copytree(step3, tmp_path / "ckpt" / step3.name)
-    resumed = qlora(config, checkpoint_dir=tmp_path / "ckpt")
-    assert resumed.summary["resumed_from_step"] == 3
-    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in ref.metrics if m["step"] > 3]
-    adapter = "adapter/adapter_model.safetensors"
-    assert (resumed.out_dir / adapter).read_bytes() == (ref.out_dir / adapter).read_bytes()
+    assert_lora_resumes_exactly(functools.partial(qlora, config), ref, step3, tmp_path)

@@ -2,10 +2,12 @@
 
 Owns the comparisons between two runs (the same parameters bit for bit, the same metrics step by step,
 timings aside) and the checks on one run's summary (the engine that really ran, the part of the weights
-each rank holds, a config refused with one clear line), and a file's digest (a result not rewritten).
+each rank holds, a config refused with one clear line), a LoRA checkpoint's saved model keys and its exact resume,
+and a file's digest (a result not rewritten).
 """
 
 import hashlib
+import shutil
 
 import pytest
 import torch
@@ -61,3 +63,35 @@ def assert_shards_held(summary, config):
 def digest(path):
     """SHA-256 of a file's bytes: what a test compares to say a result was not rewritten."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def saved_model_keys(step):
+    """The keys of the model a checkpoint of any engine saved: one process's and DDP's model.safetensors, DeepSpeed's
+    module states (one per rank under ZeRO-3, with no fragment of a frozen parameter), or FSDP2's
+    torch.distributed.checkpoint folder."""
+    if (step / "model.safetensors").exists():
+        from safetensors import safe_open
+        with safe_open(step / "model.safetensors", "pt") as f:
+            return list(f.keys())
+    if (step / "pytorch_model").is_dir():
+        keys = []
+        for part in (step / "pytorch_model").glob("*_model_states.pt"):
+            states = torch.load(part, weights_only=True)
+            assert not states["frozen_param_fragments"], part
+            keys += list(states["module"])
+        return keys
+    from torch.distributed.checkpoint import FileSystemReader
+    return list(FileSystemReader(str(step / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata)
+
+
+def assert_lora_resumes_exactly(resume, ref, step, tmp_path):
+    """The LoRA checkpoint `step` copied into a checkpoint directory of its own and resumed there
+    (resume(checkpoint_dir=...) launches the run): it ends with the uninterrupted run `ref`'s losses after that step
+    and its adapter, bit for bit."""
+    shutil.copytree(step, tmp_path / "ckpt" / step.name)
+    resumed = resume(checkpoint_dir=tmp_path / "ckpt")
+    number = int(step.name.removeprefix("step-"))
+    assert resumed.summary["resumed_from_step"] == number
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in ref.metrics if m["step"] > number]
+    adapter = "adapter/adapter_model.safetensors"
+    assert (resumed.out_dir / adapter).read_bytes() == (ref.out_dir / adapter).read_bytes()
