@@ -430,11 +430,17 @@ def test_two_jobs_on_one_node_at_once(one_node, data_dir, tmp_path):
     assert {task for _, task in task_hosts(logs["per_gpu"])} == {"0", "1"}  # one launcher line per task
 
 
+def launch_lines(log):
+    """slurm_launch's lines that give a node's accelerate launch (host, node, task, the command), not its lines at a
+    run's end (a stop's exit code)."""
+    return [line for line in log.splitlines()
+            if re.match(r"slurm_launch: \S+ node \d+ task \d+: accelerate launch ", line)]
+
+
 def assert_one_launch_per_node(log):
     """Mode per-node: slurm_launch's one line per node, each on its own host, each node's accelerate launch meeting
     the first node at the namespace's address (not localhost), with its own machine rank."""
-    lines = [line for line in log.splitlines() if re.match(r"slurm_launch: \S+ node \d+ task \d+: accelerate launch ",
-                                                             line)]  # its launch lines, not its lines on the end
+    lines = launch_lines(log)
     assert len(lines) == 2 and {line.split()[1] for line in lines} == {"node1", "node2"}, log  # one on each host
     assert all("--main_process_ip node1" in line for line in lines)  # the namespace address, not localhost
     assert {line.split("--machine_rank ")[1].split()[0] for line in lines} == {"0", "1"}
@@ -471,8 +477,7 @@ def test_two_node_finetune_under_zero3(two_nodes, tmp_path):
     s = summary(tmp_path / "out")
     assert (s["world_size"], s["deepspeed_stage"], s["steps"]) == (2, 3, 4)
     assert s["model_init"] == "partitioned while loaded (transformers, zero.Init)"
-    lines = [line for line in log.splitlines() if line.startswith("slurm_launch: ")]
-    assert {line.split()[1] for line in lines} == {"node1", "node2"}, log
+    assert {line.split()[1] for line in launch_lines(log)} == {"node1", "node2"}, log
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
     assert sum(p.numel() for p in model.parameters()) == s["param_elements"]
@@ -527,8 +532,7 @@ def test_preflight_on_two_slurm_nodes(two_nodes, tmp_path):
     assert "preflight: 4 ranks on 2 host(s), backend gloo, main address node1:" in text
     assert "preflight: ok, 4 ranks agree on world size 4 and backend gloo" in text
     assert_one_launch_per_node(text)
-    assert {line.split("--num_processes ")[1].split()[0] for line in text.splitlines()
-            if line.startswith("slurm_launch: ")} == {"4"}, text
+    assert {line.split("--num_processes ")[1].split()[0] for line in launch_lines(text)} == {"4"}, text
 
 
 @pytest.mark.slow
