@@ -29,6 +29,8 @@ import argparse
 
 import torch
 
+from runkit.finetune.qlora import NF4_BYTES
+
 # name: (config class, its arguments): the published shapes
 MODELS = {
     "Llama-3.2-1B": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -103,10 +105,10 @@ def table(gpus=2, gpu_gb=80.0, tokens=4096, lora_r=0):
 
 # The jobs of docs/recipes.md's long-context table (--jobs): every job with --gradient-checkpointing and the loss in
 # DEFAULT_CHUNKS chunks, one sequence per data-parallel rank. QLoRA's base: NF4 with double quantisation, 4 bits plus
-# an 8-bit scale per 64 weights plus an fp32 scale per 256 of those (0.516 bytes per weight) on the decoder's linear
-# layers; the embedding, the output layer and the norms stay bf16.
+# an 8-bit scale per 64 weights plus an fp32 scale per 256 of those (0.516 bytes per weight: NF4_BYTES, defined where
+# finetune_lm.py's --load-in-4bit quantises) on the decoder's linear layers; the embedding, the output layer and the
+# norms stay bf16.
 DEFAULT_CHUNKS = 8
-NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 JOB_MODELS = {"8B": "Llama-3.1-8B", "14B": "Qwen2.5-14B", "32B": "Qwen2.5-32B", "70B": "Llama-3.1-70B"}
 JOBS = ("full", "LoRA", "QLoRA")
 LENGTHS = (2048, 8192, 32768)

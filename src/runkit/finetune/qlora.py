@@ -26,7 +26,7 @@ base whole on every process; FSDP2 and ZeRO-3, with or without sequence parallel
 
 FLAG = "--load-in-4bit"
 # Bytes per weight of an NF4 layer with double quantisation: 4 bits, an 8-bit scale per block of 64 weights, an fp32
-# scale per 256 of those (bench/lm_memory.py's NF4_BYTES, the planner's model of what this module stores).
+# scale per 256 of those: the one definition, which bench/lm_memory.py's planner uses too.
 NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 
 
