@@ -1,7 +1,8 @@
 """The pytest fixtures shared by the test files: the synthetic data, cached launches, the uninterrupted
 reference runs, runs started in the background, the matrix runs of the smaller recipes, and finetune_lm.py's
 tiny model with its cached runs (test_finetune_lm.py, and the stops in test_stop_and_crash.py); DeepSpeed's CPU ops,
-built once before the first slow test, their time reported on its own at the end of the run.
+built once before the first slow test, their time reported on its own at the end of the run; the launches per
+file, added up from the pytest-xdist workers; the files' order, longest first (pytest.ini runs them on 2 workers).
 
 What they are built on (the CPU route, launch commands, LaunchResult, Background) is in launching.py.
 """
@@ -94,6 +95,19 @@ def pytest_runtest_protocol(item, nextitem):
         _counting["file"] = None
 
 
+# The files that take longest, first: under pytest-xdist (`-n 2`) each file runs whole on one worker (its module
+# fixtures, its shared launches), and a long file started last would leave the other worker idle at the end.
+LONGEST_FIRST = ("test_slurm_launch.py", "test_checkpoint_resume.py", "test_stop_and_crash.py", "test_finetune_lm.py",
+                 "test_mnist.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # stable: each file keeps its own order
+
+
 def pytest_configure(config):
     popen_init = subprocess.Popen.__init__
 
@@ -107,6 +121,26 @@ def pytest_configure(config):
         _launched(["python"])
         return fork()
     pty.fork = counted_fork
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, a worker hands its launch counts and its DeepSpeed build time to the controller, which
+    prints the terminal summary (pytest_testnodedown below)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["launches"] = dict(LAUNCHES)
+        if DEEPSPEED_OPS in session.config.stash:
+            workeroutput["deepspeed_ops"] = list(session.config.stash[DEEPSPEED_OPS])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    output = getattr(node, "workeroutput", {})
+    LAUNCHES.update(output.get("launches", {}))
+    if "deepspeed_ops" in output:
+        seconds, built = output["deepspeed_ops"]
+        before = node.config.stash.get(DEEPSPEED_OPS, (0, []))
+        node.config.stash[DEEPSPEED_OPS] = (max(seconds, before[0]), before[1] + built)
 
 
 def pytest_terminal_summary(terminalreporter, config):
