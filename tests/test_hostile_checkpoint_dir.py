@@ -44,6 +44,7 @@ from tampering import deflated
 
 sys.path.insert(0, str(REPO / "recipes"))
 from runkit.checkpoint import safe_loading  # noqa: E402
+from runkit.checkpoint.resharding import NAME_SHOWN  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -603,9 +604,9 @@ def test_parameter_names_that_would_be_paths_are_refused(shelf, shelf_data, tmp_
         rehash(work, rel)
     run = shelf("gpt", "deepspeed_zero2.yaml", "--grad-accum", "2", "--checkpoint-dir", str(tmp_path / "next"),
                 "--resume", str(work), launch_args=(*FP32, "--num_processes", "1"), check=False)
-    # The line shows a name's first 80 characters: a temporary path under a pytest-xdist worker is longer.
+    # The line shows a name's start (a temporary path under a pytest-xdist worker is longer).
     assert_refused(run, f"checkpoint {work} cannot be used: pytorch_model/mp_rank_00_model_states.pt: refused (it "
-                        f"names a parameter '{names['wpe.weight'][:80]}")
+                        f"names a parameter '{names['wpe.weight'][:NAME_SHOWN]}")
     assert outside(tmp_path) == [] and not (tmp_path / "outside").exists()
     assert not (work / "universal").exists() and not (work / ".tmp-universal").exists()
 

@@ -39,6 +39,9 @@ from .manifest import read_manifest, write_manifest
 from .rules import saved_grad_accum
 from .safe_loading import UnsafeCheckpointFile, plain_name, weights_only_loading
 
+# A refused parameter name is planted, of any length: the refusal line shows its first characters.
+NAME_SHOWN = 80
+
 
 # ---- DeepSpeed ZeRO through the universal checkpoint -------------------------------------------------------
 class ConversionReplaced(RuntimeError):
@@ -126,8 +129,8 @@ def path_names_problem(held):
                 for part in group if isinstance(group, list) else [group]:
                     bad = next((n for n in (part if isinstance(part, dict) else {}) if not plain_name(n)), None)
                     if bad is not None:
-                        return f"{rel}: refused (it names a parameter {str(bad)[:80]!r}, which a model's parameter " \
-                               f"never is: the conversion would write outside its directory)"
+                        return f"{rel}: refused (it names a parameter {str(bad)[:NAME_SHOWN]!r}, which a model's " \
+                               f"parameter never is: the conversion would write outside its directory)"
     return None
 
 
