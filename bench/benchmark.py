@@ -20,7 +20,7 @@ the recipe's 1-process run(s) in the list (a config with num_processes 1); when 
 the benchmark adds one (1gpu_compile.yaml if a config of the list compiles, else 1gpu.yaml on a GPU
 machine, cpu.yaml without GPU) so that the recipe / lean ratio is always there. --no-lean skips both.
 
-Each run's own timer (src/runkit/timing.py StepTimer, and the same code in the baseline) gives the
+Each run's own timer (src/accelrun/timing.py StepTimer, and the same code in the baseline) gives the
 steady state after its first step: samples/s, the step split into data wait / forward+backward /
 optimizer, and peak memory per process. The benchmark adds the start-up time (launch to end of the
 first step) and the training time to --target-loss and --target-accuracy.
@@ -506,7 +506,7 @@ def write_chart(path, report):
 def mnist_data_root(args):
     """The real MNIST in --data-dir if it is there; else the synthetic digits the recipe would make (written once)."""
     sys.path.insert(0, str(REPO / "recipes"))
-    from runkit.data.synthetic_mnist import write_synthetic_mnist
+    from accelrun.data.synthetic_mnist import write_synthetic_mnist
     real = Path(args.data_dir) / "MNIST" / "raw" / "train-images-idx3-ubyte"
     if real.exists():
         return Path(args.data_dir).resolve()

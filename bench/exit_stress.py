@@ -1,4 +1,4 @@
-"""Do 2-process runs exit cleanly? Launch the quickstart and a runkit recipe many times and count the aborts.
+"""Do 2-process runs exit cleanly? Launch the quickstart and a accelrun recipe many times and count the aborts.
 
     python bench/exit_stress.py                          # 50 runs each of 2 scripts x 3 configs: 300 launches
     python bench/exit_stress.py --runs 5 --parallel 3    # a quick look, 3 launches at a time
@@ -7,7 +7,7 @@ A rank's process could abort at exit, after its work was done ("terminate called
 exception", SIGABRT): gloo's worker threads racing Python's interpreter finalization
 (docs/troubleshooting.md, Findings). It is rare and depends on timing, so one launch says nothing:
 this launches `recipes/quickstart/with_accelerate.py` (plain accelerate, ending with end_training) and
-`recipes/linear_regression.py` (runkit's teardown) as 2 processes on the CPU under 2gpu.yaml, ZeRO-2 and
+`recipes/linear_regression.py` (accelrun's teardown) as 2 processes on the CPU under 2gpu.yaml, ZeRO-2 and
 FSDP (fp32), --runs times each, --parallel launches at a time (a loaded machine shows the race more
 often), and counts per script and config the launches whose output shows a process that aborted or
 crashed, and the launches that failed otherwise. It prints the table and exits 1 if any launch aborted or
@@ -25,14 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+from accelrun.data.synthetic_mnist import write_synthetic_mnist  # noqa: E402
+from accelrun.exits import SELF_INFLICTED  # noqa: E402  (the pattern the tests' check_exit looks for too)
 from benchmark import deepspeed_json_in, free_port  # noqa: E402
-from runkit.data.synthetic_mnist import write_synthetic_mnist  # noqa: E402
-from runkit.exits import SELF_INFLICTED  # noqa: E402  (the pattern the tests' check_exit looks for too)
 
 CONFIGS = ["2gpu.yaml", "deepspeed_zero2.yaml", "fsdp.yaml"]
 SCRIPTS = {
     "quickstart": ["recipes/quickstart/with_accelerate.py", "--epochs", "1", "--batch-size", "64"],
-    "runkit (linear_regression)": ["recipes/linear_regression.py", "--epochs", "2", "--num-points", "256",
+    "accelrun (linear_regression)": ["recipes/linear_regression.py", "--epochs", "2", "--num-points", "256",
                                    "--batch-size", "32"],
 }
 

@@ -51,9 +51,9 @@ CARRY = {
     "bitsandbytes": "0.50.2",  # QLoRA's 4-bit weights (finetune_lm.py --load-in-4bit)
 }
 BUILT_HERE = {"deepspeed"}  # a source package only: built into a pure-Python wheel with DS_BUILD_OPS=0
-# Checked after the install: this tree's runkit, the carried ones, the image's that they import (named in issue 42),
+# Checked after the install: this tree's accelrun, the carried ones, the image's that they import (named in issue 42),
 # and the pack's.
-IMPORTS = ["runkit", "deepspeed", "datasets", "bitsandbytes", "hjson", "pydantic", "dill", "multiprocess", "einops",
+IMPORTS = ["accelrun", "deepspeed", "datasets", "bitsandbytes", "hjson", "pydantic", "dill", "multiprocess", "einops",
            "msgpack", "pyarrow", "xxhash", "pandas", "accelerate", "transformers", "peft", "xdist"]
 PYTHON = "3.12"  # the image's Python (3.12.3)
 TARGET = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.3", "sys_platform": "linux",
@@ -280,12 +280,12 @@ def import_check(python, modules, carry, target=None):
 
 
 def tree_importable(python):
-    """This tree's runkit (src/runkit), importable by `python` as if installed editable (`pip install -e .` does the
+    """This tree's accelrun (src/accelrun), importable by `python` as if installed editable (`pip install -e .` does the
     same: a .pth file naming src/ in its site-packages), with no build step and no index: the recipes import it, and
     whatever the working tree holds when the call starts is what runs."""
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    (Path(site) / "runkit-tree.pth").write_text(f"{REPO / 'src'}\n")
+    (Path(site) / "accelrun-tree.pth").write_text(f"{REPO / 'src'}\n")
 
 
 def install(wheels=WHEELS, python=sys.executable, target=None, carry=None, imports=None):

@@ -23,7 +23,7 @@ the loop. Throughput = timed steps x samples (tokens) per step / the region's ti
 in recipes/gpt.py.
 
 Prints one line and writes OUTPUT_DIR/summary.json, whose "timing" block has the keys of the
-recipes' (src/runkit/timing.py) where they mean the same thing; bench/benchmark.py runs this
+recipes' (src/accelrun/timing.py) where they mean the same thing; bench/benchmark.py runs this
 beside the recipe's 1-process run and reports recipe throughput / lean-loop throughput.
 It measures; it trains on noise, so its loss means nothing.
 """

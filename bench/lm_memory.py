@@ -29,7 +29,7 @@ import argparse
 
 import torch
 
-from runkit.finetune.qlora import NF4_BYTES
+from accelrun.finetune.qlora import NF4_BYTES
 
 # name: (config class, its arguments): the published shapes
 MODELS = {

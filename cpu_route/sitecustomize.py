@@ -49,7 +49,7 @@ def _force_gpu_like_state():
             return cpu_backend(self, cpu, sagemaker_dp, backend)
         return "gloo", DistributedType.MULTI_GPU
 
-    prepare_backend.cpu_route = True  # what runkit's refusals look for: this worker is on the route
+    prepare_backend.cpu_route = True  # what accelrun's refusals look for: this worker is on the route
     PartialState._prepare_backend = prepare_backend
 
 

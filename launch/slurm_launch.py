@@ -41,11 +41,11 @@ import yaml
 
 import check_config  # launch/check_config.py, next to this file
 
-# The recipes' code for "stopped on a signal, checkpoint saved": its one definition is runkit's, installed with the
+# The recipes' code for "stopped on a signal, checkpoint saved": its one definition is accelrun's, installed with the
 # recipes (requirements.txt); this checkout's src/ goes last on sys.path, shadowing nothing installed, for a node that
-# runs the script from the checkout alone. runkit/stopping.py imports the standard library alone.
+# runs the script from the checkout alone. accelrun/stopping.py imports the standard library alone.
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
-from runkit.stopping import EXIT_STOPPED  # noqa: E402
+from accelrun.stopping import EXIT_STOPPED  # noqa: E402
 
 GPU_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP")
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)

@@ -43,7 +43,7 @@ each process holds); --merge-lora writes the base dequantised with the adapters 
 The default OUTPUT_DIR is runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA (-qlora-r<R>) and -padded for
 --no-packing. The loss goes through the output layer in --loss-chunks chunks (default 8; chunked_loss.py), the
 positions outside it dropped first: the [tokens x vocabulary] logits never exist whole. Under
-deepspeed_zero3_sp2.yaml two processes share each sequence (Ulysses; runkit/finetune/ulysses.py, --no-packing).
+deepspeed_zero3_sp2.yaml two processes share each sequence (Ulysses; accelrun/finetune/ulysses.py, --no-packing).
 
 Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
 fine-tune of 1B fits under every engine, 3B under DDP with --gradient-checkpointing, 8B under ZeRO-2/3
@@ -65,12 +65,12 @@ import os
 import sys
 from datetime import timedelta
 
-from runkit import add_run_args
-from runkit.finetune.examples import add_data_args
-from runkit.finetune.lora import add_lora_args, flags_without_rank
-from runkit.finetune.loss_flags import add_loss_args
-from runkit.finetune.qlora import add_qlora_args, without_lora
-from runkit.flags import DefaultOnce
+from accelrun import add_run_args
+from accelrun.finetune.examples import add_data_args
+from accelrun.finetune.lora import add_lora_args, flags_without_rank
+from accelrun.finetune.loss_flags import add_loss_args
+from accelrun.finetune.qlora import add_qlora_args, without_lora
+from accelrun.flags import DefaultOnce
 
 # Flags a resumed run may change: they act after training or only on what is reported.
 AFTER_TRAINING = {"sample_tokens": "the answer at the end", "save_dtype": "the exported model",
@@ -93,7 +93,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (0: no clipping)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
-    add_loss_args(p)  # --loss-chunks (runkit/finetune/loss_flags.py, chunked_loss.py)
+    add_loss_args(p)  # --loss-chunks (accelrun/finetune/loss_flags.py, chunked_loss.py)
     add_lora_args(p)  # --lora-r and the adapters' settings (finetune/lora.py); OUTPUT_DIR gets -lora-r<R>
     add_qlora_args(p)  # --load-in-4bit: QLoRA, the frozen base in 4 bits (finetune/qlora.py)
     p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
@@ -132,16 +132,16 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 
-from runkit import Run
-from runkit.engines import run_label
-from runkit.finetune.chunked_loss import install, token_losses, with_loss_count
-from runkit.finetune.examples import IGNORE, DataProblem, cut_note, load_examples
-from runkit.finetune.lora import merge_adapters
-from runkit.finetune.packing import attention_implementation, block_causal_mask, blocks_note
-from runkit.finetune.pretrained import load_config_and_tokenizer, load_model, zero3_lora_note
-from runkit.finetune.qlora import as_plain_model, checked_base, dequantized_base
-from runkit.finetune.ulysses import SequenceParallel, host_count, in_loss, loss_targets
-from runkit.finetune.weights import base_fingerprint, record_base
+from accelrun import Run
+from accelrun.engines import run_label
+from accelrun.finetune.chunked_loss import install, token_losses, with_loss_count
+from accelrun.finetune.examples import IGNORE, DataProblem, cut_note, load_examples
+from accelrun.finetune.lora import merge_adapters
+from accelrun.finetune.packing import attention_implementation, block_causal_mask, blocks_note
+from accelrun.finetune.pretrained import load_config_and_tokenizer, load_model, zero3_lora_note
+from accelrun.finetune.qlora import as_plain_model, checked_base, dequantized_base
+from accelrun.finetune.ulysses import SequenceParallel, host_count, in_loss, loss_targets
+from accelrun.finetune.weights import base_fingerprint, record_base
 
 
 def default_output_dir(args, accelerator):
@@ -162,14 +162,14 @@ def check_block_size(args, config, run):
 
 
 def check_sequence_parallel(sp, args, config, accelerator, run):
-    """Under sequence parallelism (runkit/finetune/ulysses.py): refuse, before data or model loads, what it cannot
+    """Under sequence parallelism (accelrun/finetune/ulysses.py): refuse, before data or model loads, what it cannot
     train (one line that says what to do)."""
     if problem := sp.problem(args, config, args.batch_size, args.grad_accum, accelerator.num_processes):
         run.fail(problem)
 
 
 def load_data(args, run, accelerator, tokenizer):
-    """The data's blocks of block_size tokens (runkit.finetune.examples: train, validation, sample, format, source,
+    """The data's blocks of block_size tokens (accelrun.finetune.examples: train, validation, sample, format, source,
     cuts, facts)."""
     problem = None
     with accelerator.main_process_first():  # the main process tokenises and caches; the others reuse its cache
@@ -205,7 +205,7 @@ def warmup_cosine(optimizer, args):
 
 def prepare(accelerator, sp, micro, model, optimizer, train_loader, val_loader, scheduler):
     """accelerator.prepare() of them all; under sequence parallelism the loaders split by sequence-parallel group
-    (runkit/finetune/ulysses.py) and kept out of prepare(), which would wrap them in DeepSpeed's own adapter."""
+    (accelrun/finetune/ulysses.py) and kept out of prepare(), which would wrap them in DeepSpeed's own adapter."""
     if sp.on:
         train_loader, val_loader = sp.prepare_loaders(train_loader, val_loader, accelerator, micro)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)  # accelerate
@@ -226,8 +226,8 @@ def flops_per_token(config, n_params, trained, args, span):
 def forward_losses(model, batch, given_mask, head):
     """The forward and the loss: each sequence's summed next-token loss over its positions whose target is not
     IGNORE, and how many it has (fp32, as Hugging Face computes it). head: the output layer computing the loss in
-    chunks (runkit.finetune.chunked_loss), or None for the plain loss. Under sequence parallelism a batch is this
-    rank's slice of each sequence, with its targets (runkit.finetune.ulysses)."""
+    chunks (accelrun.finetune.chunked_loss), or None for the plain loss. Under sequence parallelism a batch is this
+    rank's slice of each sequence, with its targets (accelrun.finetune.ulysses)."""
     return token_losses(model, model_inputs(batch, given_mask), loss_targets(batch), head, host_count(batch))
 
 
@@ -323,7 +323,7 @@ def main(argv=None):
     accelerator = Accelerator(  # accelerate
         # Gradients sync every --grad-accum micro-batches, never at the loader's end: with_step_tokens reads a whole
         # step ahead, so the loader's end-of-data flag is up before the epoch's last step has begun (that step was
-        # then cut in two). runkit feeds whole steps only, and sets the counter on resume.
+        # then cut in two). accelrun feeds whole steps only, and sets the counter on resume.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.grad_accum, sync_with_dataloader=False),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
         # non_blocking with pinned batches: the copy to the GPU is queued, the host does not wait for the GPU
@@ -382,7 +382,7 @@ def main(argv=None):
     # The loss is the mean over every loss token of the optimizer step, whatever the micro-batch and the rank:
     # each micro-batch's summed loss over the step's token count, times what backward() then divides by
     # (the micro-batches per step, and the processes whose gradients are averaged; under sequence parallelism
-    # each rank's slice of the sequences: runkit/finetune/ulysses.py).
+    # each rank's slice of the sequences: accelrun/finetune/ulysses.py).
     undo_means = accelerator.num_processes * args.grad_accum
     model.train()  # from_pretrained returns the model in eval mode: dropout off, and Ulysses bypassed (disable_in_eval)
     for batches in run.epochs(train_loader):  # resumes mid-epoch; checkpoints at each epoch's end

@@ -44,7 +44,7 @@ import sys
 import sysconfig
 from datetime import timedelta
 
-from runkit import add_run_args
+from accelrun import add_run_args
 
 # name: (layers, heads, d_model, context length)
 PRESETS = {"tiny": (2, 2, 64, 64), "124M": (12, 12, 768, 1024), "350M": (24, 16, 1024, 1024),
@@ -103,7 +103,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast, set_seed
 from torch.utils.data import DataLoader
 
-from runkit import Run
+from accelrun import Run
 
 
 class Linear(nn.Linear):

@@ -36,7 +36,7 @@ import math
 import os
 import sys
 
-from runkit import add_run_args
+from accelrun import add_run_args
 
 
 def parse_args(argv=None):
@@ -70,7 +70,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from runkit import Run
+from accelrun import Run
 
 
 def make_points(args):

@@ -10,7 +10,7 @@ Swapping the config file is the whole change (Slurm: docs/slurm.md). --checkpoin
 a stop signal (SIGUSR1/SIGTERM) saves and exits 75, and the same command resumes exactly
 where it stopped (docs/checkpoints.md). --report-to tensorboard draws curves, --profile 5
 traces 5 steps (docs/measuring.md). The lines marked `# accelerate` are the only
-distributed ones; `run` (src/runkit, the runkit package) keeps checkpoints, stopping and timing out of the loop.
+distributed ones; `run` (src/accelrun, the accelrun package) keeps checkpoints, stopping and timing out of the loop.
 
 The model is the HPC courses' ConvNet (two 5x5 conv + BatchNorm + max-pool blocks, one
 linear layer). `--batch-size` is the GLOBAL batch, split across the processes: 1 process
@@ -28,7 +28,7 @@ import os
 import sys
 from datetime import timedelta
 
-from runkit import add_run_args
+from accelrun import add_run_args
 
 
 def parse_args(argv=None):
@@ -70,9 +70,9 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision.datasets import MNIST
 
-from runkit import Run
-from runkit.data.synthetic_mnist import write_synthetic_mnist
-from runkit.exits import one_line
+from accelrun import Run
+from accelrun.data.synthetic_mnist import write_synthetic_mnist
+from accelrun.exits import one_line
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 

@@ -40,7 +40,7 @@ import functools
 import os
 import sys
 
-from runkit import add_run_args
+from accelrun import add_run_args
 
 
 def parse_args(argv=None):
@@ -76,8 +76,8 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from runkit import Run
-from runkit.stopping import ignore_stop_signals
+from accelrun import Run
+from accelrun.stopping import ignore_stop_signals
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics, fine for CIFAR too
 

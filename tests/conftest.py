@@ -158,7 +158,7 @@ def pytest_terminal_summary(terminalreporter, config):
 def data_dir(tmp_path_factory):
     """Synthetic digits generated once for the whole session, in MNIST's idx format."""
     sys.path.insert(0, str(REPO / "recipes"))
-    from runkit.data.synthetic_mnist import write_synthetic_mnist
+    from accelrun.data.synthetic_mnist import write_synthetic_mnist
     root = tmp_path_factory.mktemp("data")
     write_synthetic_mnist(root / f"synthetic-{TRAIN_SIZE}-{TEST_SIZE}", TRAIN_SIZE, TEST_SIZE, seed=0)
     return root

@@ -115,7 +115,7 @@ def test_benchmark_smoke_writes_the_report(smoke):
         timing = summaries[row["name"]]["timing"]
         for key in ("throughput", "data_ms", "forward_backward_ms", "optimizer_ms", "other_ms", "data_fraction"):
             assert row[key] == run[key] == timing["samples_per_s" if key == "throughput" else key], (row, timing)
-        # The timers (src/runkit/timing.py, bench/ddp_baseline.py) define, over the same steady micro-batches
+        # The timers (src/accelrun/timing.py, bench/ddp_baseline.py) define, over the same steady micro-batches
         # m and their total time T: throughput = m x global batch / T, each phase's ms = 1000 x its time / m, and
         # data_fraction = data time / T. So throughput x step time = the global batch, and data_fraction = data_ms /
         # step_ms, up to float rounding alone (1e-9 relative is a million times that): a step time or a

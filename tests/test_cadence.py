@@ -1,4 +1,4 @@
-"""When a run evaluates and when it saves (runkit/cadence.py), in-process: the rules as pure functions, in
+"""When a run evaluates and when it saves (accelrun/cadence.py), in-process: the rules as pure functions, in
 milliseconds. The launches that hold them end to end: test_contract.py's checkpoint cadence, the resume tests."""
 
 import sys
@@ -6,7 +6,7 @@ import sys
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit.cadence import Cadence, Progress  # noqa: E402
+from accelrun.cadence import Cadence, Progress  # noqa: E402
 
 
 def walk(cadence, stop_after=None):

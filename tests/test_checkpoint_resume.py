@@ -186,7 +186,7 @@ def test_fsdp_resumes_on_another_world_size_and_grad_accum(shelf, shelf_data, tm
 def rng_state(checkpoint, rank):
     """accelerate's RNG state of one rank in a checkpoint, read as the resume reads it (weights only)."""
     sys.path.insert(0, str(REPO / "recipes"))
-    from runkit.checkpoint.safe_loading import weights_only_loading
+    from accelrun.checkpoint.safe_loading import weights_only_loading
     with weights_only_loading():
         return torch.load(checkpoint / f"random_states_{rank}.pkl")
 
@@ -196,7 +196,7 @@ UNIVERSAL = ("DeepSpeed's universal checkpoint (ds_to_universal, converted once 
 
 
 # 2 -> 1 for every ZeRO stage, and back 1 -> 2 for ZeRO-2 and ZeRO-3: each resume is one launch on top of the
-# shelf's uninterrupted runs. ZeRO-3 (offload too) needed runkit's repair of DeepSpeed's stage-3 universal load
+# shelf's uninterrupted runs. ZeRO-3 (offload too) needed accelrun's repair of DeepSpeed's stage-3 universal load
 # (resharding.repair_zero3_universal_load): without it the loss drifted 0.2% in 8 steps.
 ZERO_BACK_AND_FORTH = {"deepspeed_zero1.yaml": False, "deepspeed_zero2.yaml": True, "deepspeed_zero3.yaml": True,
                        "deepspeed_zero3_offload.yaml": False}

@@ -75,7 +75,7 @@ def test_the_first_line_says_where_deepspeeds_precision_comes_from():
     """Issue 41, item 5: under DeepSpeed in bf16 the first line names the JSON that set it, and the fp32 twin."""
     import sys
     sys.path.insert(0, str(REPO / "recipes"))
-    from runkit.engines import precision_source
+    from accelrun.engines import precision_source
     env = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "accelerate_configs/deepspeed_zero2.json"}
     cwd = os.getcwd()
     os.chdir(REPO)  # the path is relative to where the launch started, as in the YAMLs

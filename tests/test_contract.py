@@ -96,7 +96,7 @@ def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
 @pytest.mark.slow
 def test_a_recipe_copied_alone_runs(data_dir, tmp_path):
     """Issue 43: mnist.py copied alone into an empty directory runs there to its summary, with nothing beside it but
-    installed packages (its helpers are runkit's: runkit.data, runkit.Run)."""
+    installed packages (its helpers are accelrun's: accelrun.data, accelrun.Run)."""
     alone = tmp_path / "elsewhere"
     alone.mkdir()
     shutil.copy(REPO / "recipes" / "mnist.py", alone / "mnist.py")

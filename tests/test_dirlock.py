@@ -1,4 +1,4 @@
-"""The directory lock (src/runkit/checkpoint/lock.py) without a launch: one writer per --checkpoint-dir, a
+"""The directory lock (src/accelrun/checkpoint/lock.py) without a launch: one writer per --checkpoint-dir, a
 live holder named, a dead holder's lock taken over (a zombie's too), a requeued Slurm job taking over its own earlier
 run; a lock that is garbage, out of range, a link or a FIFO; a directory others can write refused; the lock and its
 names importing without torch.
@@ -16,7 +16,7 @@ import sys
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit.checkpoint import lock as dirlock  # noqa: E402
+from accelrun.checkpoint import lock as dirlock  # noqa: E402
 
 
 def test_directory_lock(tmp_path, capsys):
@@ -122,11 +122,11 @@ def test_a_zombie_holds_no_lock(tmp_path, capsys):
 
 
 def test_the_lock_and_its_names_import_without_torch():
-    """layout, owners, untrusted and lock are the standard library only: the stop command (runkit/stop.py) runs
+    """layout, owners, untrusted and lock are the standard library only: the stop command (accelrun/stop.py) runs
     without torch or accelerate."""
     probe = ("import sys; sys.path.insert(0, 'recipes')\n"
-             "import runkit.checkpoint.layout, runkit.checkpoint.owners, runkit.checkpoint.untrusted\n"
-             "import runkit.checkpoint.lock, runkit.stop\n"
+             "import accelrun.checkpoint.layout, accelrun.checkpoint.owners, accelrun.checkpoint.untrusted\n"
+             "import accelrun.checkpoint.lock, accelrun.stop\n"
              "assert not {'torch', 'accelerate', 'numpy'} & set(sys.modules), sorted(sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -18,7 +18,7 @@ PAGES = ["configs", "slurm", "checkpoints", "measuring", "troubleshooting",  # i
          "recipes", "writing-a-recipe", "install"]  # issues #24, #41
 README_MAX_LINES = 260
 
-# Every key the recipes write into summary.json (src/runkit/run.py, reporting.py, timing.py and
+# Every key the recipes write into summary.json (src/accelrun/run.py, reporting.py, timing.py and
 # the recipes' own extras), each of which docs/measuring.md must define under "Summary fields".
 SUMMARY_KEYS = [
     # identity
@@ -243,7 +243,7 @@ def test_readme_front_page_has_two_commands_and_the_map_in_40_lines():
                      commands[2]) and "--model" in commands[2], commands[2]
     the_map = re.search(r"^## The map\n\n```\n(.*?)^```", top, re.M | re.S)
     assert the_map, "no map in the first 40 lines"
-    for place in ("recipes/", "src/runkit/", "accelerate_configs/", "cpu_route/", "launch/", "docs/", "tests/"):
+    for place in ("recipes/", "src/accelrun/", "accelerate_configs/", "cpu_route/", "launch/", "docs/", "tests/"):
         assert re.search(rf"^{re.escape(place)}", the_map.group(1), re.M), place
     text = [line for line in prose(README.read_text(encoding="utf-8")).splitlines() if not line.startswith("|")]
     assert max(map(len, text)) <= 300, max(text, key=len)  # a table's row may be long: it is one entry
@@ -252,7 +252,7 @@ def test_readme_front_page_has_two_commands_and_the_map_in_40_lines():
 def test_the_docs_recipe_lists_name_every_training_recipe():
     """Issue 41, item 10: docs/checkpoints.md's and docs/measuring.md's "Every training recipe (...)" left out
     finetune_lm: each such list names every recipe built on Run (the ones that import it)."""
-    training = {p.stem for p in (REPO / "recipes").glob("*.py") if re.search(r"^from runkit import .*\bRun\b",
+    training = {p.stem for p in (REPO / "recipes").glob("*.py") if re.search(r"^from accelrun import .*\bRun\b",
                                                                                p.read_text(), re.M)}
     assert {"mnist", "gpt", "resnet", "linear_regression", "finetune_lm"} <= training, training
     lists = [(path.name, set(re.findall(r"`(\w+)`", match)))
@@ -267,7 +267,7 @@ def test_checkpoints_and_troubleshooting_agree_on_what_the_first_line_names():
     main process. Both pages now say the command, and neither says the launcher's pid is what the first line names."""
     pages = {name: " ".join((DOCS / name).read_text(encoding="utf-8").split())
              for name in ("checkpoints.md", "troubleshooting.md")}
-    said = "stop with a checkpoint: python3 -m runkit.stop DIR"
+    said = "stop with a checkpoint: python3 -m accelrun.stop DIR"
     for name, text in pages.items():
         assert said in text.replace("`", ""), name
         assert not re.search(r"launcher's pid \(the one the first line names\)", text), name

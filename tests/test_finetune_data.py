@@ -1,4 +1,4 @@
-"""src/runkit/finetune/examples.py, finetune_lm.py's data: labels set by position (a pair's prompt and the padding
+"""src/accelrun/finetune/examples.py, finetune_lm.py's data: labels set by position (a pair's prompt and the padding
 never in the loss), chat conversations learned on their assistant turns only, the format read from the columns,
 values of the wrong type refused with one message (DataProblem), the examples --block-size cuts counted, and a
 --block-size that fits the model by default.
@@ -27,9 +27,8 @@ from tiny_hf import (
 )
 
 sys.path.insert(0, str(REPO / "recipes"))
-import runkit.finetune.examples as examples_module  # noqa: E402
-from finetune_lm import parse_args  # noqa: E402
-from runkit.finetune.examples import (  # noqa: E402
+import accelrun.finetune.examples as examples_module  # noqa: E402
+from accelrun.finetune.examples import (  # noqa: E402
     IGNORE,
     DataProblem,
     assistant_positions,
@@ -38,7 +37,8 @@ from runkit.finetune.examples import (  # noqa: E402
     encode_pair,
     load_examples,
 )
-from runkit.finetune.packing import best_fit_decreasing, pack_blocks, pad_blocks  # noqa: E402
+from accelrun.finetune.packing import best_fit_decreasing, pack_blocks, pad_blocks  # noqa: E402
+from finetune_lm import parse_args  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_a_malformed_json_line_is_named_by_file_and_line(tiny):
     nested = write_jsonl(tiny / "nested.jsonl", chats[:3] + [{}] + chats[3:7] + [bad] + chats[7:], {4: ""})
     message = refusal(tiny, nested)
     assert message.startswith(f"{tiny / nested}, line 9: ") and "content" in message, message
-    from runkit.finetune.records import json_problem  # where `datasets` cannot read such a file, this names the line
+    from accelrun.finetune.records import json_problem  # where `datasets` cannot read such a file, this names the line
     assert json_problem(str(tiny / name)) == (f"{tiny / name}, line 10: not a record like the others (its "
                                               f"'response' holds an object, the records before text); fix or "
                                               f"remove that line")
@@ -240,7 +240,7 @@ def test_a_record_far_longer_than_the_block_is_not_tokenised_whole(tiny, data):
     """Issue 46, item 6: one 40 MB assistant turn stalled the start for minutes, tokenised whole for a block of 64
     tokens. Now no text longer than enough_characters() reaches the tokenizer, and what is kept is exactly what
     the whole record gives (checked on a record of 20,000 characters, which is quick to tokenise whole)."""
-    from runkit.finetune.examples import enough_characters
+    from accelrun.finetune.examples import enough_characters
     long_turn = "It is 7 because 3 plus 4 is 7. " * 650  # 20,150 characters
     if data == "chat":
         records = [{"messages": c} for c in conversations(40)]

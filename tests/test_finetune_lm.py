@@ -187,7 +187,7 @@ def test_a_lora_run_on_a_base_whose_weights_were_replaced_is_refused(hf, tmp_pat
     complete, before any model loads)."""
     from transformers import AutoTokenizer
 
-    from runkit.finetune.weights import WeightsProblem, check_base
+    from accelrun.finetune.weights import WeightsProblem, check_base
     from tiny_hf import write_model
     base, out = shutil.copytree(hf / "model", tmp_path / "base"), tmp_path / "out"
     cmd = [sys.executable, "recipes/finetune_lm.py", *finetune_args(hf), "--model", str(base), *LORA,
@@ -346,10 +346,10 @@ def test_a_packed_example_attends_only_to_itself(hf, attention):
     shorter than the block, transformers' own masks built from the positions."""
     from transformers import AutoModelForCausalLM
 
-    from runkit.finetune.packing import GIVEN_MASK, pack_blocks
+    from accelrun.finetune.packing import GIVEN_MASK, pack_blocks
     implementation = GIVEN_MASK if attention == "given mask" else None
     if implementation:
-        from runkit.finetune.packing import attention_implementation
+        from accelrun.finetune.packing import attention_implementation
         assert attention_implementation(AutoModelForCausalLM.from_pretrained(hf / "model").config, 64) == GIVEN_MASK
     model = AutoModelForCausalLM.from_pretrained(hf / "model", attn_implementation=implementation).eval()
     model.config.use_cache = False  # as the recipe trains: with a cache, transformers looks for no packing
@@ -383,8 +383,8 @@ def test_lora_adapters_compute_in_the_compute_dtype(hf):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from accelrun.finetune.lora import with_lora
     from finetune_lm import parse_args
-    from runkit.finetune.lora import with_lora
     args = parse_args(["--model", str(hf / "model"), "--lora-r", "4"])
     assert args.lora_dropout == 0
     base = AutoModelForCausalLM.from_pretrained(hf / "model", dtype=torch.bfloat16)
@@ -432,8 +432,8 @@ def whole_epoch_data(hf, fmt, block):
     × 2 micro-batches), and those two counts: the facts the recipe itself will find (the same load_examples)."""
     from transformers import AutoTokenizer
 
+    from accelrun.finetune.examples import load_examples
     from finetune_lm import parse_args
-    from runkit.finetune.examples import load_examples
     tok, path = AutoTokenizer.from_pretrained(hf / "model"), hf / f"whole_epoch_{fmt}.jsonl"
     for n in range(60, 120):
         records = ([{"prompt": p, "response": r} for p, r in uneven_pairs(n)] if fmt == "pairs"
@@ -506,8 +506,8 @@ def test_lora_prints_no_library_warning_before_the_first_line(hf):
 
     from transformers import AutoModelForCausalLM
 
+    from accelrun.finetune.lora import with_lora
     from finetune_lm import parse_args
-    from runkit.finetune.lora import with_lora
     base = AutoModelForCausalLM.from_pretrained(hf / "model")
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
@@ -519,8 +519,8 @@ def test_lora_flags_without_a_rank_are_refused(capsys):
     """Issue 35, item 8: TRL and torchtune build LoRA from the LoRA settings given; here the rank switches it on,
     so a LoRA flag without --lora-r is refused rather than ignored. Issue 41, item 3: decided from the flags alone,
     it is refused as a flag error is, by the parser, before torch is imported (test_source.py: no torch then)."""
+    from accelrun.finetune.lora import flags_without_rank
     from finetune_lm import parse_args
-    from runkit.finetune.lora import flags_without_rank
     for argv in (["--merge-lora"], ["--lora-dropout=0.1"], ["--lora-alpha", "32", "--lora-targets", "q_proj"]):
         with pytest.raises(SystemExit) as refused:
             parse_args(argv)

@@ -3,7 +3,7 @@ every test here is skipped with that reason; the 2-GPU tests are skipped with fe
 
 Each launch checks what only a GPU shows:
   * the loss goes down, and the run computes in the precision its config asks for (bf16 in every GPU config);
-  * the summary's timing split (CUDA events, src/runkit/timing.py) adds up to the wall-clock time of the
+  * the summary's timing split (CUDA events, src/accelrun/timing.py) adds up to the wall-clock time of the
     same steps (metrics.jsonl's train_time_s between two progress lines);
   * MFU lies between 0 and 1 (gpt.py, finetune_lm.py with --peak-tflops);
   * the peak device memory is reported (cuda_allocated, above zero);

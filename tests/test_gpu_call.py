@@ -301,16 +301,16 @@ def test_one_command_dry_run_without_cuda_shows_the_plan_the_budget_and_the_orde
     assert not (tmp_path / "o").exists()
 
 
-def test_the_install_makes_this_trees_runkit_importable(tmp_path):
-    """On the GPU machine the recipes import runkit from the working tree that travelled: the install writes a .pth
-    naming its src/ into the Python's site-packages (no build, no index), and `import runkit` then finds this tree's
+def test_the_install_makes_this_trees_accelrun_importable(tmp_path):
+    """On the GPU machine the recipes import accelrun from the working tree that travelled: the install writes a .pth
+    naming its src/ into the Python's site-packages (no build, no index), and `import accelrun` then finds this tree's
     package (a bare Python, without it, does not)."""
     import subprocess
     import venv
     venv.EnvBuilder(with_pip=False).create(tmp_path / "py")
     python = str(tmp_path / "py" / "bin" / "python")
-    probe = [python, "-c", "import runkit; print(runkit.__file__)"]
+    probe = [python, "-c", "import accelrun; print(accelrun.__file__)"]
     assert subprocess.run(probe, capture_output=True, text=True, cwd=tmp_path).returncode == 1
     gpu_wheels.tree_importable(python)
     found = subprocess.run(probe, capture_output=True, text=True, cwd=tmp_path)
-    assert found.stdout.strip() == str(gpu_wheels.REPO / "src" / "runkit" / "__init__.py"), found.stderr
+    assert found.stdout.strip() == str(gpu_wheels.REPO / "src" / "accelrun" / "__init__.py"), found.stderr

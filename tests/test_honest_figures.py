@@ -1,7 +1,7 @@
 """Figures that cannot flatter (issue 42, item 4): finetune_lm's tokens/s and MFU, which the GPU table reports for
 every fine-tune part, rest on the real tokens of a packed block and on each example's attention span.
 
-Both are read back from what a run reports, through identities of runkit's own arithmetic: a rate times the time
+Both are read back from what a run reports, through identities of accelrun's own arithmetic: a rate times the time
 it was measured over gives the units counted per micro-batch; MFU times the peak over the rate gives the FLOPs
 counted per unit. The run is the tiny model on uneven pairs, packed (the default), one process: the same cached
 launch as test_finetune_lm's cpu.yaml run, so the full suite launches nothing more for these tests.

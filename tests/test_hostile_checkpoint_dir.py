@@ -43,8 +43,8 @@ from run_checks import assert_refused
 from tampering import deflated
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit.checkpoint import safe_loading  # noqa: E402
-from runkit.checkpoint.resharding import NAME_SHOWN  # noqa: E402
+from accelrun.checkpoint import safe_loading  # noqa: E402
+from accelrun.checkpoint.resharding import NAME_SHOWN  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -407,8 +407,8 @@ def test_each_damaged_or_planted_checkpoint_is_skipped_with_one_line(written, da
     skipped = {11: "its train_state lacks 'epoch'",
                10: "its train_state's step '10' is not of the type and range Run writes",
                9: "checkpoint.json: its layout's grad_accum '2' is not a number of micro-batches",
-               13: f"checkpoint.json records no format_version: runkit before format 1 wrote it, {LATER}",
-               12: f"checkpoint.json records format_version 2: another version of runkit wrote it, {LATER}",
+               13: f"checkpoint.json records no format_version: accelrun before format 1 wrote it, {LATER}",
+               12: f"checkpoint.json records format_version 2: another version of accelrun wrote it, {LATER}",
                14: f"checkpoint.json does not list random_states_0.pkl, {WHAT}",
                8: f"checkpoint.json does not list optimizer.bin, {WHAT}",
                7: f"checkpoint.json does not list model.safetensors, {WHAT}",
@@ -430,7 +430,7 @@ def test_a_checkpoint_of_another_format_version_given_by_path_is_refused(written
     edit(named / "step-00000008", lambda m: m.pop("format_version"))
     code, output = refusal(data_dir, tmp_path, "--resume", str(named / "step-00000008"), name="named-out")
     refused(code, output, f"checkpoint {named / 'step-00000008'} cannot be used: checkpoint.json records no "
-                          f"format_version: runkit before format 1 wrote it, {LATER}")
+                          f"format_version: accelrun before format 1 wrote it, {LATER}")
 
 
 def test_a_checkpoint_without_its_rng_state_is_refused(written, data_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""The checkpoint file rules that need no launch (src/runkit/checkpoint/: safe_loading.py, untrusted.py,
+"""The checkpoint file rules that need no launch (src/accelrun/checkpoint/: safe_loading.py, untrusted.py,
 files.py, held.py, manifest.py, formats.py): what a checkpoint file may
 contain (no code, plain numpy RNG state, no compressed torch zip), that links, FIFOs and malformed manifests
 are refused with a reason, and which rank hashes which files.
@@ -26,13 +26,13 @@ from launching import REPO
 from tampering import deflated
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit.checkpoint import safe_loading  # noqa: E402
-from runkit.checkpoint.files import coverage, my_share  # noqa: E402
-from runkit.checkpoint.formats import files_problem  # noqa: E402
-from runkit.checkpoint.held import HeldCheckpoint  # noqa: E402
-from runkit.checkpoint.layout import FORMAT_VERSION  # noqa: E402
-from runkit.checkpoint.manifest import read_manifest, state_problem, write_manifest  # noqa: E402
-from runkit.checkpoint.untrusted import RefusedFile, open_regular  # noqa: E402
+from accelrun.checkpoint import safe_loading  # noqa: E402
+from accelrun.checkpoint.files import coverage, my_share  # noqa: E402
+from accelrun.checkpoint.formats import files_problem  # noqa: E402
+from accelrun.checkpoint.held import HeldCheckpoint  # noqa: E402
+from accelrun.checkpoint.layout import FORMAT_VERSION  # noqa: E402
+from accelrun.checkpoint.manifest import read_manifest, state_problem, write_manifest  # noqa: E402
+from accelrun.checkpoint.untrusted import RefusedFile, open_regular  # noqa: E402
 
 
 class RunsCode:
@@ -192,10 +192,10 @@ def test_a_manifest_of_another_format_version_is_refused_naming_it(tmp_path):
     write_manifest(str(tmp_path), {k: v for k, v in manifest_with().items() if k != "format_version"})
     assert read_manifest(str(tmp_path), contents=False)["format_version"] == FORMAT_VERSION == 1
     later = "and this code reads format 1 only (resume it with the code that wrote it)"
-    cases = {None: f"checkpoint.json records no format_version: runkit before format 1 wrote it, {later}",
-             2: f"checkpoint.json records format_version 2: another version of runkit wrote it, {later}",
-             "1": f"checkpoint.json records format_version '1': another version of runkit wrote it, {later}",
-             True: f"checkpoint.json records format_version True: another version of runkit wrote it, {later}"}
+    cases = {None: f"checkpoint.json records no format_version: accelrun before format 1 wrote it, {later}",
+             2: f"checkpoint.json records format_version 2: another version of accelrun wrote it, {later}",
+             "1": f"checkpoint.json records format_version '1': another version of accelrun wrote it, {later}",
+             True: f"checkpoint.json records format_version True: another version of accelrun wrote it, {later}"}
     for version, line in cases.items():
         manifest = manifest_with(format_version=version)
         if version is None:
@@ -230,7 +230,7 @@ def test_train_state_fields_are_checked_for_type_and_range():
 
 def test_a_manifest_lists_exactly_the_files_of_its_engine():
     """Issue 36, M4-M8: each engine's files per rank (accelerate's, DeepSpeed's, torch.distributed.checkpoint's,
-    runkit's own); none missing, none that no save writes."""
+    accelrun's own); none missing, none that no save writes."""
     def table(*rels):
         return {rel: {"size": 1, "sha256": "0" * 64} for rel in rels}
 

@@ -1,4 +1,4 @@
-"""runkit.finetune.chunked_loss in this process (milliseconds): the loss computed in chunks through the output layer
+"""accelrun.finetune.chunked_loss in this process (milliseconds): the loss computed in chunks through the output layer
 against the plain loss, on a small random Llama whose vocabulary is larger than its width (as a real model's is).
 
 The chunked loss must give the same per-sequence losses and the same gradient of every parameter as the plain one
@@ -16,8 +16,8 @@ import torch
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit.finetune import chunked_loss as chunked  # noqa: E402
-from runkit.finetune.chunked_loss import IGNORE, install, token_losses, with_loss_count  # noqa: E402
+from accelrun.finetune import chunked_loss as chunked  # noqa: E402
+from accelrun.finetune.chunked_loss import IGNORE, install, token_losses, with_loss_count  # noqa: E402
 
 VOCAB, WIDTH, LENGTH, BATCH = 1000, 32, 24, 3
 

@@ -1,6 +1,6 @@
 """recipes/mnist.py: real multi-process launches under every config, on CPU (see launching.py's CPU route).
 
-The launches refused by runkit's start-up checks (refusals.py), made with mnist.py, are in test_refusals.py."""
+The launches refused by accelrun's start-up checks (refusals.py), made with mnist.py, are in test_refusals.py."""
 
 import json
 import math
@@ -96,7 +96,7 @@ def test_config_really_trains(launch, reference, config):
                 f"{json_file.replace('.json', '_fp32.json')})") in smoke.output, smoke.output[:3000]
     assert s["mixed_precision"] == "no"  # the reference ran fp32, a DeepSpeed JSON included
     # Gradients are summed across processes in fp32 under every engine (DDP's fp32 gradients; the DeepSpeed
-    # JSONs' communication_data_type; FSDP2's reduce_dtype set by runkit), and ZeRO-1/2 overlap that with
+    # JSONs' communication_data_type; FSDP2's reduce_dtype set by accelrun), and ZeRO-1/2 overlap that with
     # the backward pass: read from the engines that ran (docs/configs.md, "Gradient reduction").
     assert shipped["grad_reduce_dtype"] == (None if world == 1 else "float32"), shipped
     assert shipped["overlap_comm"] == (True if dist_type == "DEEPSPEED" else None), shipped
@@ -181,7 +181,7 @@ def test_sharded_configs_match_ddp_step_by_step(reference, config):
 def assert_log_a_person_can_read(output):
     """A ZeRO-3 log (20 progress lines here) is its progress lines plus start-up and end lines, not one torch
     deprecation warning per collective per step (DeepSpeed 0.19.8's all_gather_into_tensor / reduce_scatter_tensor,
-    silenced by runkit/engines.py quiet_deprecated_collectives: 202 lines for 22 progress and evaluation lines)."""
+    silenced by accelrun/engines.py quiet_deprecated_collectives: 202 lines for 22 progress and evaluation lines)."""
     lines = output.splitlines()
     progress = [line for line in lines if line.startswith("epoch ")]
     assert len(progress) >= 20, output[-3000:]

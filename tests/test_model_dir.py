@@ -1,5 +1,5 @@
 """A --model directory is untrusted (shared storage): loading it never runs its code, and each problem it can hold
-ends in one line before transformers allocates or loads anything (src/runkit/finetune/). Issue 46, item 4.
+ends in one line before transformers allocates or loads anything (src/accelrun/finetune/). Issue 46, item 4.
 
 Quick: each problem planted into a copy of helpers/tiny_hf.py's model (tiny_hf.planted_copy) and read by the functions
 finetune_lm.py calls, in this process; custom code with a terminal that answers "y" to any question.
@@ -15,8 +15,8 @@ from launching import REPO
 from tiny_hf import planted_copy, write_all, write_model, write_tokenizer
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit.finetune.pretrained import load_config_and_tokenizer  # noqa: E402
-from runkit.finetune.weights import WeightsProblem, check_base, fingerprint, record_base  # noqa: E402
+from accelrun.finetune.pretrained import load_config_and_tokenizer  # noqa: E402
+from accelrun.finetune.weights import WeightsProblem, check_base, fingerprint, record_base  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""QLoRA (recipes/finetune_lm.py --load-in-4bit, runkit/finetune/qlora.py): LoRA on the tiny model's base loaded in
+"""QLoRA (recipes/finetune_lm.py --load-in-4bit, accelrun/finetune/qlora.py): LoRA on the tiny model's base loaded in
 NF4 through bitsandbytes, which trains NF4 on the CPU.
 
 In-process: the refusals (--load-in-4bit without --lora-r; FSDP2 leaving the 4-bit base whole), what the 4-bit layers
@@ -59,7 +59,7 @@ def qlora(finetune, hf):
 def tiny_4bit(hf, dtype):
     from transformers import AutoModelForCausalLM
 
-    from runkit.finetune.qlora import quantization_config
+    from accelrun.finetune.qlora import quantization_config
     return AutoModelForCausalLM.from_pretrained(hf / "model", dtype=dtype,
                                                 quantization_config=quantization_config(dtype))
 
@@ -80,8 +80,8 @@ def test_what_the_4bit_layers_store_is_the_planners_nf4(tmp_path):
     weights, and their fp32 scales) is that, to a tenth of a percent, in bf16 and fp32 storage alike."""
     import bitsandbytes as bnb
 
+    from accelrun.finetune import qlora
     from lm_memory import NF4_BYTES
-    from runkit.finetune import qlora
     assert qlora.NF4_BYTES == NF4_BYTES
     for dtype in (torch.bfloat16, torch.float32):
         config = qlora.quantization_config(dtype)
@@ -102,9 +102,9 @@ def test_the_4bit_layers_train_after_an_evaluation(hf):
     its weight in place at its first forward in eval mode, and the next training step failed (RuntimeError: shape
     '[32, 0]' is invalid). Kept off, the weight is the same bytes after an evaluation, the adapters of the first layer
     get their gradient through every 4-bit layer above, and the layers' state dicts hold their weights only."""
+    from accelrun.finetune.lora import with_lora
+    from accelrun.finetune.qlora import for_training, four_bit_layers
     from finetune_lm import parse_args
-    from runkit.finetune.lora import with_lora
-    from runkit.finetune.qlora import for_training, four_bit_layers
     model = tiny_4bit(hf, torch.float32)
     assert for_training(model) == 14  # q, k, v, o, gate, up, down in each of the 2 layers
     model = with_lora(model, parse_args(["--model", str(hf / "model"), "--lora-r", "4"]))
@@ -127,7 +127,7 @@ def test_fsdp2_leaving_the_4bit_base_whole_is_refused_in_one_line(hf):
     """What accelerate does with a layer in fsdp_ignored_modules (or a 4-bit weight stored as integers): it stays
     whole on every rank, with at most a warning. base_note refuses it under FSDP2 with several processes, in one
     line that names the first layer and what to do; alone, or under DDP, the base is whole by design."""
-    from runkit.finetune.qlora import base_note
+    from accelrun.finetune.qlora import base_note
     model = tiny_4bit(hf, torch.bfloat16)
     problem, note = base_note(model, fsdp=True, world=2)
     assert problem.startswith("FSDP2 left the 4-bit base whole on every rank (model.layers.0.self_attn.q_proj and "
@@ -156,7 +156,7 @@ def assert_exports_answer_as_the_run(run, hf, bf16):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from runkit.finetune.qlora import for_training
+    from accelrun.finetune.qlora import for_training
     s, tolerance = run.summary, 2e-2 if bf16 else 1e-4
     base = tiny_4bit(hf, torch.bfloat16 if bf16 else torch.float32)
     for_training(base)  # as the run computed it: no CPU inference repacking

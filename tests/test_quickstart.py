@@ -137,7 +137,7 @@ def test_offline_without_mnist_is_one_line(tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert ended.value.code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith(f"error: MNIST is not in {tmp_path / 'data'}/MNIST/raw and could not be downloaded"), err
-    assert "python -m runkit.data.synthetic_mnist data/synthetic, then --data-dir data/synthetic" in err
+    assert "python -m accelrun.data.synthetic_mnist data/synthetic, then --data-dir data/synthetic" in err
 
 
 def epoch_lines(output):
@@ -238,7 +238,7 @@ OTHER_CONFIGS = ["cpu.yaml", "fsdp.yaml"]
 def small_mnist_root(tmp_path_factory):
     import sys
     sys.path.insert(0, str(REPO / "recipes"))
-    from runkit.data.synthetic_mnist import write_synthetic_mnist
+    from accelrun.data.synthetic_mnist import write_synthetic_mnist
     root = tmp_path_factory.mktemp("small-mnist")
     write_synthetic_mnist(root, SMALL_TRAIN, SMALL_TEST, seed=0)
     return root

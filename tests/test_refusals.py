@@ -1,4 +1,4 @@
-"""src/runkit/refusals.py: launches that would train wrongly, refused at start-up with one clear line and a
+"""src/accelrun/refusals.py: launches that would train wrongly, refused at start-up with one clear line and a
 non-zero exit, before the data and the model are built. Each slow test is a real launch of recipes/mnist.py on CPU;
 the quick ones call the refusal in this process, with the launch's environment set as accelerate launch sets it.
 
@@ -59,7 +59,7 @@ def test_more_processes_than_gpus_is_refused_before_anything_is_built(launch):
 def engine_without_gpu(monkeypatch):
     """A worker of a launch of a DeepSpeed config on a machine without a GPU, as accelerate launch starts it; returns
     (the refusal, its exit code and its stderr) for the environment the test then sets."""
-    from runkit import refusals
+    from accelrun import refusals
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name in ("ACCELERATE_USE_CPU", "ACCELERATE_USE_FSDP", "TORCHELASTIC_ERROR_FILE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -80,7 +80,7 @@ def test_an_engine_without_a_gpu_or_the_cpu_route_is_refused_from_the_environmen
     and FSDP off) too; on the CPU route, and for a DDP config, nothing is refused."""
     from accelerate.state import PartialState
 
-    from runkit import refusals
+    from accelrun import refusals
     code, err = engine_without_gpu(capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: the config asks for DEEPSPEED and this machine has no GPU: launch it as "

@@ -154,7 +154,7 @@ def test_summary_line_is_short_and_summary_json_complete():
     """The SUMMARY line: the figures a person reads, floats to 4 significant digits, nulls left out, JSON a script
     parses; without `shown` (pi.py, data_sharding.py) every field but args, as is."""
     sys.path.insert(0, str(REPO / "recipes"))
-    from runkit.reporting import summary_line
+    from accelrun.reporting import summary_line
 
     summary = {"recipe": "finetune_lm", "distributed_type": "MULTI_CPU", "world_size": 2, "mixed_precision": "no",
                "deepspeed_stage": None, "steps": 40, "resumed_from_step": None, "first_loss": 5.736412048339844,
@@ -179,7 +179,7 @@ def test_a_compiled_model_evaluates_without_a_second_graph():
     from torch._dynamo.utils import counters
 
     sys.path.insert(0, str(REPO / "recipes"))
-    from runkit.run import eager_if_compiled
+    from accelrun.run import eager_if_compiled
 
     torch._dynamo.reset()
     counters.clear()
@@ -220,9 +220,9 @@ QUIET = """
 import os, sys
 sys.path.insert(0, "recipes")
 import datasets
-from runkit.engines import name_the_cpu_for_deepspeed
-from runkit.exits import one_line
-from runkit.reporting import quiet_progress_bars
+from accelrun.engines import name_the_cpu_for_deepspeed
+from accelrun.exits import one_line
+from accelrun.reporting import quiet_progress_bars
 name_the_cpu_for_deepspeed()
 quiet_progress_bars()
 import transformers

@@ -46,11 +46,11 @@ def test_resnet_learns_from_image_files(shelf_data, tmp_path):
 
 def test_resnet_refuses_optimizer_offload_as_linear_regression_does(monkeypatch):
     """Under deepspeed_zero3_offload.yaml an SGD recipe stops in Run.setup, before its data, with one line
-    (runkit.refusals.refuse_optimizer_offload): launched for real once, by linear_regression.py in its matrix
+    (accelrun.refusals.refuse_optimizer_offload): launched for real once, by linear_regression.py in its matrix
     (test_linear_regression.py: the line, the exit code, no traceback). resnet.py gives the same call its own reason:
     its main() run here, in this process, up to that call, and the line the refusal prints with what it was given."""
+    from accelrun import refusals
     from in_process import kept_process_state
-    from runkit import refusals
 
     sys.path.insert(0, str(REPO / "recipes"))
     import resnet

@@ -1,4 +1,4 @@
-"""Where results go (runkit/results.py), in-process and quick: the one rule, and files written without following a
+"""Where results go (accelrun/results.py), in-process and quick: the one rule, and files written without following a
 link. The launches that hold it end to end: test_contract.py (a config per directory, a continued run, a branch) and
 test_hostile_checkpoint_dir.py (a manifest naming an output directory)."""
 
@@ -9,7 +9,7 @@ import sys
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit import results  # noqa: E402
+from accelrun import results  # noqa: E402
 
 RUN, OTHER = "a" * 32, "b" * 32
 

@@ -1,4 +1,4 @@
-"""src/runkit/checkpoint/rules.py without a launch: what a resume on another world size or --grad-accum may
+"""src/accelrun/checkpoint/rules.py without a launch: what a resume on another world size or --grad-accum may
 change, what it refuses, the log window's rule, and the table in
 docs/checkpoints.md that states the rules. Quick: the launches that prove them are in test_checkpoint_resume.py."""
 
@@ -10,8 +10,8 @@ import pytest
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit.checkpoint.resharding import reshaped_window  # noqa: E402
-from runkit.checkpoint.rules import (  # noqa: E402
+from accelrun.checkpoint.resharding import reshaped_window  # noqa: E402
+from accelrun.checkpoint.rules import (  # noqa: E402
     PER_RANK,
     RESHAPE,
     WORLD_SIZE_CHANGE,
@@ -60,7 +60,7 @@ def test_the_hints_for_a_batch_that_does_not_split_lead_to_a_run_that_starts():
     --batch-size splits, and each process count named for a resume splits the checkpoint's batch and is accepted."""
     import re
 
-    from runkit.refusals import batch_problem
+    from accelrun.refusals import batch_problem
     problem = batch_problem(3, 16)
     assert "give --batch-size 15 for a new run; a resume keeps its checkpoint's --batch-size, so launch" in problem
     assert batch_problem(3, 15) is None
@@ -124,7 +124,7 @@ def test_each_per_rank_rule_names_the_one_function_that_applies_it():
     without its row fails here)."""
     for part, (rule, where) in PER_RANK.items():
         module, name = where.rsplit(".", 1)
-        assert rule and callable(getattr(importlib.import_module(f"runkit.{module}"), name, None)), (part, where)
+        assert rule and callable(getattr(importlib.import_module(f"accelrun.{module}"), name, None)), (part, where)
 
 
 def test_docs_state_every_rule_as_a_table():

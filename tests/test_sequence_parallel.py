@@ -58,7 +58,7 @@ def test_two_processes_sharing_each_sequence_train_as_one_process(finetune, hf, 
 
 
 def sequence_parallel(size=2, world=2):
-    from runkit.finetune.ulysses import SequenceParallel
+    from accelrun.finetune.ulysses import SequenceParallel
     return SequenceParallel(size, 0, world // size, 0)
 
 
@@ -84,8 +84,8 @@ def test_what_sequence_parallelism_cannot_train_is_refused_in_one_line():
 def test_a_resume_onto_another_sequence_parallel_size_is_refused():
     """A checkpoint records its sequence-parallel size in its layout (when above 1); a run with another is refused
     in one line, and a layout that records a size no run writes is a damaged checkpoint."""
-    from runkit.checkpoint.manifest import _layout_problem
-    from runkit.checkpoint.rules import incompatibility
+    from accelrun.checkpoint.manifest import _layout_problem
+    from accelrun.checkpoint.rules import incompatibility
     written = {"family": "deepspeed", "zero_stage": 3, "world_size": 2, "grad_accum": 1, "sequence_parallel": 2}
     manifest = {"layout": written, "must_match": {"lr": 1.0}}
     now = {k: v for k, v in written.items() if k != "sequence_parallel"}
@@ -99,7 +99,7 @@ def test_a_resume_onto_another_sequence_parallel_size_is_refused():
 def test_other_recipes_refuse_a_sequence_parallel_config():
     """mnist, gpt, resnet and linear_regression under a config with sequence parallelism: one line (accelerate would
     stop in prepare() with a traceback: Ulysses works on Hugging Face models only)."""
-    from runkit import refusals
+    from accelrun import refusals
     said = []
     accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=2, sp_backend="deepspeed"))
     original = refusals.fail

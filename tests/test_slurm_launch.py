@@ -69,10 +69,10 @@ def _in_repo(monkeypatch):
 
 
 def test_one_stop_exit_code_for_the_recipes_the_launcher_and_the_templates(tmp_path):
-    """75 ("stopped with a checkpoint: run me again") has one definition, runkit/stopping.py's EXIT_STOPPED:
+    """75 ("stopped with a checkpoint: run me again") has one definition, accelrun/stopping.py's EXIT_STOPPED:
     slurm_launch.py defines none and reads that one, run by path from any directory without torch, and the sbatch
     templates test for and exit with that number."""
-    from runkit import stopping
+    from accelrun import stopping
 
     tree = ast.parse((REPO / "launch" / "slurm_launch.py").read_text())
     assigned = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
@@ -81,12 +81,12 @@ def test_one_stop_exit_code_for_the_recipes_the_launcher_and_the_templates(tmp_p
         text = (REPO / "launch" / template).read_text()
         assert f'[ "${{status}}" -eq {stopping.EXIT_STOPPED} ]' in text, template
         assert f"        exit {stopping.EXIT_STOPPED}\n" in text, template
-    # Run by path from elsewhere, as srun runs it: it finds runkit by itself, and imports no torch (-X importtime
+    # Run by path from elsewhere, as srun runs it: it finds accelrun by itself, and imports no torch (-X importtime
     # lists every module a process imports).
     out = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "launch" / "slurm_launch.py"), "--help"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
-    assert "runkit.stopping" in imported and "torch" not in imported, sorted(imported)
+    assert "accelrun.stopping" in imported and "torch" not in imported, sorted(imported)
     assert out.returncode == 0 and "usage: slurm_launch.py" in out.stdout, out.stderr[-2000:]
 
 

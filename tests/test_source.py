@@ -1,10 +1,10 @@
 """The contract every recipe keeps (docs/writing-a-recipe.md), read from the source, or from an interpreter that
-answers at once (--help, a wrong flag, `import runkit`): the quick half; the launches that hold the same contract
+answers at once (--help, a wrong flag, `import accelrun`): the quick half; the launches that hold the same contract
 are test_contract.py, the resumes test_checkpoint_resume.py.
 
 Of the recipes: no torch.distributed, DistributedSampler, DistributedDataParallel or .cuda(); --help with defaults,
 no abbreviations, an unknown flag refused, a help text for every flag; a docstring with the commands and a dated
-result; a loop that reads as plain PyTorch; docs/recipes.md naming exactly the accelerate calls they make. Of runkit:
+result; a loop that reads as plain PyTorch; docs/recipes.md naming exactly the accelerate calls they make. Of accelrun:
 one concern per module, each listed once, no name defined twice, nothing below run.py importing it; an installed,
 versioned package.
 """
@@ -22,15 +22,16 @@ from launching import REPO
 
 TRAINING_RECIPES = sorted((REPO / "recipes").glob("*.py"))
 RECIPES = TRAINING_RECIPES + sorted((REPO / "recipes" / "quickstart").glob("*.py"))
-HELPERS = ("data", "finetune")  # the recipes' own helpers, installed with runkit: under the recipes' contract
-RUNKIT = sorted(p for p in (REPO / "src" / "runkit").rglob("*.py") if p.parent.name not in HELPERS)  # checkpoint/ too
-RECIPE_MODULES = sorted(p for name in HELPERS for p in (REPO / "src" / "runkit" / name).glob("*.py")
+HELPERS = ("data", "finetune")  # the recipes' own helpers, installed with accelrun: under the recipes' contract
+# checkpoint/ too
+ACCELRUN = sorted(p for p in (REPO / "src" / "accelrun").rglob("*.py") if p.parent.name not in HELPERS)
+RECIPE_MODULES = sorted(p for name in HELPERS for p in (REPO / "src" / "accelrun" / name).glob("*.py")
                         if p.name != "__init__.py")
 
 
 def imports_run(path):
-    """Whether a recipe imports the Run object from runkit (it is then built on Run and keeps its loop shape)."""
-    return any(isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "runkit"
+    """Whether a recipe imports the Run object from accelrun (it is then built on Run and keeps its loop shape)."""
+    return any(isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "accelrun"
                and any(alias.name == "Run" for alias in node.names) for node in ast.walk(ast.parse(path.read_text())))
 
 
@@ -177,12 +178,12 @@ def test_recipe_input_errors_are_one_clear_line(command, message, tmp_path):
 
 
 def run_service(module):
-    """Whether `module` is one of runkit's run services, not one of the recipes' own helpers it also installs."""
-    return module.split(".")[0] == "runkit" and module.split(".")[1:2] not in (["data"], ["finetune"])
+    """Whether `module` is one of accelrun's run services, not one of the recipes' own helpers it also installs."""
+    return module.split(".")[0] == "accelrun" and module.split(".")[1:2] not in (["data"], ["finetune"])
 
 
 def project_imports(source):
-    """Names a recipe imports from the run services (runkit, its helpers for the recipes aside)."""
+    """Names a recipe imports from the run services (accelrun, its helpers for the recipes aside)."""
     names = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and run_service(node.module):
@@ -195,7 +196,7 @@ def project_imports(source):
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_is_one_readable_file(recipe):
     """One recipe, readable in one sitting: a reviewer's rule, not a line count (ruff, in pyproject.toml, keeps the
-    style). What can be counted: a recipe leans on a handful of run services, not on the whole of runkit."""
+    style). What can be counted: a recipe leans on a handful of run services, not on the whole of accelrun."""
     source = recipe.read_text()
     assert len(project_imports(source)) <= 6, project_imports(source)
 
@@ -341,7 +342,7 @@ def test_help_and_a_wrong_flag_answer_before_torch_is_imported(tmp_path):
 
 
 def test_every_flag_has_help():
-    for recipe in TRAINING_RECIPES + RECIPE_MODULES + RUNKIT:
+    for recipe in TRAINING_RECIPES + RECIPE_MODULES + ACCELRUN:
         for node in ast.walk(ast.parse(recipe.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("add_argument"):
                 assert any(k.arg == "help" for k in node.keywords), f"{recipe.name}: {ast.unparse(node)[:80]}"
@@ -366,38 +367,38 @@ def test_recipes_md_names_exactly_the_accelerate_calls():
     assert "`Accelerator(...)`" in line
 
 
-def runkit_table():
-    """{module file: its concern} from the table in runkit/__init__.py's docstring (one line per module)."""
-    doc = ast.get_docstring(ast.parse((REPO / "src" / "runkit" / "__init__.py").read_text()))
+def accelrun_table():
+    """{module file: its concern} from the table in accelrun/__init__.py's docstring (one line per module)."""
+    doc = ast.get_docstring(ast.parse((REPO / "src" / "accelrun" / "__init__.py").read_text()))
     rows = [re.match(r"\s+((?:\w+/)?\w+\.py)\s+(.+)", line) for line in doc.splitlines()]
     names = [row.group(1) for row in rows if row]
     assert len(names) == len(set(names)), f"a module listed twice: {names}"
     return {row.group(1): row.group(2) for row in rows if row}
 
 
-def test_each_runkit_module_owns_one_listed_concern():
-    """runkit/__init__.py lists every module once, with its concern, and each module's docstring says what it
+def test_each_accelrun_module_owns_one_listed_concern():
+    """accelrun/__init__.py lists every module once, with its concern, and each module's docstring says what it
     owns; no public name is defined in two modules (one owner per decision); and no module below run.py imports
     run.py (the Run object sits on top of the services, never under them)."""
-    table = runkit_table()
-    names = {path: str(path.relative_to(REPO / "src" / "runkit")) for path in RUNKIT}
+    table = accelrun_table()
+    names = {path: str(path.relative_to(REPO / "src" / "accelrun")) for path in ACCELRUN}
     modules = {name for name in names.values() if not name.endswith("__init__.py")}
     assert set(table) == modules, (set(table) ^ modules)
     defined = {}
-    for path in RUNKIT:
+    for path in ACCELRUN:
         tree = ast.parse(path.read_text())
         assert ast.get_docstring(tree), f"{names[path]}: a docstring that says what it owns"
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
                 defined.setdefault(node.name, []).append(names[path])
-        # runkit's run.py, from runkit/ (one dot) or from checkpoint/ (two)
+        # accelrun's run.py, from accelrun/ (one dot) or from checkpoint/ (two)
         depth = names[path].count("/") + 1
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == depth}
-        imported |= {n.module.removeprefix("runkit.") for n in ast.walk(tree)  # stop.py's absolute imports
-                     if isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").startswith("runkit.")}
+        imported |= {n.module.removeprefix("accelrun.") for n in ast.walk(tree)  # stop.py's absolute imports
+                     if isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").startswith("accelrun.")}
         assert names[path] in ("__init__.py", "run.py") or "run" not in imported, f"{names[path]} imports run.py"
     twice = {name: where for name, where in defined.items() if len(where) > 1}
-    assert not twice, f"defined in more than one runkit module: {twice}"
+    assert not twice, f"defined in more than one accelrun module: {twice}"
 
 
 # ---- Run's contract, observed from launches ----------------------------------------------------------------
@@ -405,19 +406,31 @@ def test_each_runkit_module_owns_one_listed_concern():
 
 def test_run_refuses_a_namespace_without_its_flags():
     """A recipe author who forgets add_run_args() learns it at once, by name, not from an AttributeError later."""
-    probe = ("import argparse, sys; sys.path.insert(0, 'recipes'); from runkit import Run\n"
+    probe = ("import argparse, sys; sys.path.insert(0, 'recipes'); from accelrun import Run\n"
              "Run('x', argparse.Namespace(batch_size=8))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "call add_run_args(parser, ...)" in result.stderr, result.stderr[-2000:]
 
 
-def test_runkit_is_an_installed_versioned_package(tmp_path):
-    """Issue 43: `import runkit` works from any directory (the README's install command installs it), its version
+def test_accelrun_is_an_installed_versioned_package(tmp_path):
+    """Issue 43: `import accelrun` works from any directory (the README's install command installs it), its version
     is the one pyproject.toml builds, and importing it imports no torch."""
-    probe = "import runkit, sys; print(runkit.__version__, 'torch' in sys.modules)"
+    probe = "import accelrun, sys; print(accelrun.__version__, 'torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     version, torch_loaded = result.stdout.split()
     assert result.returncode == 0 and torch_loaded == "False", result.stderr
-    metadata = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('runkit'))"],
+    metadata = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('accelrun'))"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert metadata.stdout.strip() == version, (metadata.stdout, metadata.stderr)
+
+
+def test_the_changelogs_newest_entry_is_the_packages_version():
+    """Issue 53: the version moves with the package, and CHANGELOG.md says what each one changed: its newest entry
+    (the first `## X.Y.Z` heading) is accelrun.__version__, and no version is listed twice."""
+    import accelrun
+
+    listed = re.findall(r"^## (\d+\.\d+\.\d+)\s*$", (REPO / "CHANGELOG.md").read_text(), flags=re.M)
+    assert listed and listed[0] == accelrun.__version__, (listed[:3], accelrun.__version__)
+    assert len(listed) == len(set(listed)), listed
+    assert [tuple(map(int, v.split("."))) for v in listed] == sorted(
+        (tuple(map(int, v.split("."))) for v in listed), reverse=True), listed

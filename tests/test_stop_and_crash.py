@@ -1,5 +1,5 @@
 """Stopping and crashing, all in one place: stop signals, a dead rank, a kill during a save, a launcher that dies,
-a full disk and Ctrl-C; each recipe's own stop; and src/runkit/stopping.py, stop.py and launcher.py without a run.
+a full disk and Ctrl-C; each recipe's own stop; and src/accelrun/stopping.py, stop.py and launcher.py without a run.
 
 The quick tests (no launch) check them: the stop agreement between ranks, the line that says how to stop a run, the
 stop command, and a worker whose launcher is gone before it starts. The others are real launches on CPU (slow): each
@@ -47,9 +47,9 @@ from launching import (
 from run_checks import assert_identical_params, assert_same_steps
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit.stopping import GracefulStop, how_to_stop  # noqa: E402
+from accelrun.stopping import GracefulStop, how_to_stop  # noqa: E402
 
-# ---- src/runkit/stopping.py, stop.py and launcher.py, without a run (quick) ------------------------------
+# ---- src/accelrun/stopping.py, stop.py and launcher.py, without a run (quick) ------------------------------
 
 
 class OneRank:
@@ -114,8 +114,8 @@ def test_how_to_stop_under_slurm_names_the_job(outside_any_launcher):
 CHILD = """
 import sys
 sys.path.insert(0, "recipes")
-from runkit.launcher import die_with_launcher
-from runkit.stopping import how_to_stop
+from accelrun.launcher import die_with_launcher
+from accelrun.stopping import how_to_stop
 die_with_launcher()
 print(how_to_stop("my ckpt"), flush=True)
 print(how_to_stop(None), flush=True)
@@ -132,7 +132,7 @@ def test_how_to_stop_under_a_launcher_names_the_stop_command(outside_any_launche
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     first, without, trained = out.stdout.splitlines()
-    assert first == "stop with a checkpoint: python3 -m runkit.stop 'my ckpt'"
+    assert first == "stop with a checkpoint: python3 -m accelrun.stop 'my ckpt'"
     pid = int(re.match(r"kill -TERM (\d+) stops it without a checkpoint", without).group(1))
     assert pid != os.getpid() and trained == "trained on"  # the worker's own pid, not the launcher's
 
@@ -161,7 +161,7 @@ time.sleep(120)
 
 
 def stop_command(directory, *extra):
-    return subprocess.run([sys.executable, "-m", "runkit.stop", str(directory), *extra], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "accelrun.stop", str(directory), *extra], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -217,7 +217,7 @@ def test_stop_command_says_what_it_cannot_see(tmp_path, monkeypatch):
     """A user's own run whose /proc entries that user cannot read (permission denied, as for a process that dropped
     its dumpable flag; root reads everything, so /proc's answer is played here): the command says so and signals
     nothing (it said the live pid was "no run any more")."""
-    import runkit.stop as stop
+    import accelrun.stop as stop
     run = fake_run(tmp_path / "ckpt")
     listdir = os.listdir
 
@@ -259,7 +259,7 @@ def test_stop_command_signals_no_process_but_a_run_on_the_directory(tmp_path, lo
                 "not a run on it": f"names pid {bystander.pid}, which is alive but does not hold that lock",
                 "another host": f"runs on elsewhere (pid {bystander.pid}): run this command there",
                 "a Slurm job": "is Slurm job 4242: stop it with scancel --signal=TERM --full 4242"}[lock]
-        assert out.stderr.startswith("runkit.stop: error: ") and said in out.stderr, out.stderr
+        assert out.stderr.startswith("accelrun.stop: error: ") and said in out.stderr, out.stderr
         assert bystander.poll() is None  # not signalled
     finally:
         bystander.kill()
@@ -518,7 +518,7 @@ def test_first_line_names_a_stop_command_that_exits_75(start, tmp_path):
     ckpt = tmp_path / "ckpt"
     run = start("2gpu.yaml", "--epochs", "50", "--log-every", "1", "--checkpoint-dir", str(ckpt))
     run.wait_until(lambda: "stop with a checkpoint: " in run.output and run.steps_logged() >= 2, "step 2")
-    said = re.search(r"stop with a checkpoint: (python3 -m runkit\.stop \S+)$", run.output, re.M)
+    said = re.search(r"stop with a checkpoint: (python3 -m accelrun\.stop \S+)$", run.output, re.M)
     assert said, run.output[-3000:]
     command = subprocess.run(shlex.split(said.group(1)), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert command.returncode == 75, (command.stdout, command.stderr)

@@ -13,7 +13,7 @@ Any config of accelerate_configs/ fits (ZeRO-1/2/3, ZeRO-3 offload, FSDP2); a De
 which --mixed_precision does not change: each has an fp32 twin, NAME_fp32.json. --batch-size is per process; the
 train loss is the printing process's, the test numbers cover the whole test set. MNIST is downloaded into
 --data-dir: fetch it once (`python recipes/quickstart/torch_only.py --epochs 0`) before launching processes;
-offline, `python -m runkit.data.synthetic_mnist data/synthetic` writes stand-in digits (--data-dir data/synthetic).
+offline, `python -m accelrun.data.synthetic_mnist data/synthetic` writes stand-in digits (--data-dir data/synthetic).
 Model after pytorch/examples mnist/main.py, narrower. Under DeepSpeed accelerate clips gradients at norm 1.0
 ('auto'), and ZeRO-3 offload replaces the optimizer by DeepSpeedCPUAdam (lr kept): so AdamW, not Adadelta.
 """
@@ -73,7 +73,7 @@ def main():
     except (OSError, RuntimeError) as exc:  # offline, and not in --data-dir yet: one line, not a traceback
         print(f"error: MNIST is not in {args.data_dir}/MNIST/raw and could not be downloaded "
               f"({str(exc).splitlines()[-1]}). Copy it there, or write stand-in digits in its format for a try "
-              f"offline: python -m runkit.data.synthetic_mnist data/synthetic, then --data-dir data/synthetic",
+              f"offline: python -m accelrun.data.synthetic_mnist data/synthetic, then --data-dir data/synthetic",
               file=sys.stderr)
         sys.exit(2)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)

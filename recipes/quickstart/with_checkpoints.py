@@ -7,7 +7,7 @@ again load_state()s the newest, skips the batches its epoch already trained (ski
     python recipes/quickstart/with_checkpoints.py --epochs 2             # stop it (Ctrl-C), run it again: it resumes
     ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/2gpu.yaml --mixed_precision no \
         recipes/quickstart/with_checkpoints.py                  # DDP, 2 processes on a CPU
-What this leaves to runkit (src/runkit, the full recipes): a save that a kill cannot leave half-written and
+What this leaves to accelrun (src/accelrun, the full recipes): a save that a kill cannot leave half-written and
 taken for a good one, loading that never runs code from a file, a stop signal that saves first, the checks that a
 resume keeps the settings it was written with, another world size, a lock so that one run writes the directory.
 The resume is exact: the sampler shuffles by (seed, epoch) and the loaders draw from generators of their own, so
@@ -86,7 +86,7 @@ def main():
     except (OSError, RuntimeError) as exc:  # offline, and not in --data-dir yet: one line, not a traceback
         print(f"error: MNIST is not in {args.data_dir}/MNIST/raw and could not be downloaded "
               f"({str(exc).splitlines()[-1]}). Copy it there, or write stand-in digits in its format for a try "
-              f"offline: python -m runkit.data.synthetic_mnist data/synthetic, then --data-dir data/synthetic",
+              f"offline: python -m accelrun.data.synthetic_mnist data/synthetic, then --data-dir data/synthetic",
               file=sys.stderr)
         sys.exit(2)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True,

@@ -1,4 +1,4 @@
-"""A directory's files checked as a run checks a held checkpoint's (runkit.checkpoint.held), for the tests that need
+"""A directory's files checked as a run checks a held checkpoint's (accelrun.checkpoint.held), for the tests that need
 no launch: shared by test_integrity.py and test_hostile_checkpoint_dir.py. The run itself never calls these."""
 
 import os
@@ -7,9 +7,9 @@ import sys
 from launching import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from runkit.checkpoint.files import digest  # noqa: E402
-from runkit.checkpoint.held import HeldCheckpoint  # noqa: E402
-from runkit.checkpoint.untrusted import RefusedFile  # noqa: E402
+from accelrun.checkpoint.files import digest  # noqa: E402
+from accelrun.checkpoint.held import HeldCheckpoint  # noqa: E402
+from accelrun.checkpoint.untrusted import RefusedFile  # noqa: E402
 
 
 def check_loadable(root, rels, files=None):

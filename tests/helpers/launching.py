@@ -31,14 +31,14 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "launch"))
+from accelrun.exits import SELF_INFLICTED  # noqa: E402  (one pattern for a process that aborted, here and in bench/)
 from precision import deepspeed_json_in  # noqa: E402  (launch/: the one copy of a DeepSpeed JSON in a precision)
-from runkit.exits import SELF_INFLICTED  # noqa: E402  (one pattern for a process that aborted, here and in bench/)
 
 CONFIG_DIR = REPO / "accelerate_configs"
 CPU_SHIM = REPO / "tests" / "helpers" / "cpu_shim"
 YAML_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))  # every shipped config
 # Sequence parallelism (Ulysses) is finetune_lm.py's alone: tests/test_sequence_parallel.py launches it, the other
-# recipes refuse it in one line (runkit/refusals.py), and the recipes' matrices (CONFIG_FILES) leave it out.
+# recipes refuse it in one line (accelrun/refusals.py), and the recipes' matrices (CONFIG_FILES) leave it out.
 SEQUENCE_PARALLEL_CONFIGS = ["deepspeed_zero3_sp2.yaml"]
 CONFIG_FILES = [c for c in YAML_FILES if c not in SEQUENCE_PARALLEL_CONFIGS]
 # The compiled variants are DDP / one GPU plus torch.compile: tests/test_compile.py launches gpt and mnist under
@@ -66,7 +66,7 @@ def write_corpus(path, lines):
 
 def launch_environment(env=None):
     """The environment of a launched run: this one's, one thread per process, unbuffered output, `env` on top, and
-    this repository's src/ first on PYTHONPATH, so that every process imports this tree's runkit (a worktree's, not
+    this repository's src/ first on PYTHONPATH, so that every process imports this tree's accelrun (a worktree's, not
     the one `pip install -e` points at) whatever PYTHONPATH `env` sets (the CPU route's tests/cpu_shim)."""
     full = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), full.get("PYTHONPATH")) if p)

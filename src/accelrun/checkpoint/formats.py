@@ -125,7 +125,7 @@ class DeepSpeed(Format):
 
 class Fsdp(Format):
     """FSDP2: the shipped config's SHARDED_STATE_DICT (torch.distributed.checkpoint's folders, each rank writing its
-    shards) or a FULL_STATE_DICT, which the listed files tell apart; and runkit's per-rank buffers."""
+    shards) or a FULL_STATE_DICT, which the listed files tell apart; and accelrun's per-rank buffers."""
 
     family = "fsdp"
 

@@ -18,7 +18,7 @@ import sys
 from .launcher import launcher_in_between
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on a signal after saving a checkpoint; run the same command again
-STOP_COMMAND = "python3 -m runkit.stop"  # stops a run from outside (stop.py): STOP_COMMAND DIR
+STOP_COMMAND = "python3 -m accelrun.stop"  # stops a run from outside (stop.py): STOP_COMMAND DIR
 
 
 def signal_numbers(names):

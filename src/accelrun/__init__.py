@@ -28,7 +28,7 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     collectives.py              verdicts every rank reaches together
     sharded_model.py            run.sharded_init(): the model built sharded under ZeRO-3 and FSDP
     stopping.py                 stop signals, the agreement between ranks, exit code 75, the line naming how to stop
-    stop.py                     the stop command: python3 -m runkit.stop DIR stops the run that holds DIR
+    stop.py                     the stop command: python3 -m accelrun.stop DIR stops the run that holds DIR
     launcher.py                 the launcher a worker runs under: its exit code's fate, dying with it (no orphan)
     timing.py                   the data / forward+backward / optimizer / other split, without stalling the GPU
     reporting.py                metrics.jsonl, the progress and evaluation lines, --profile, memory, summary.json
@@ -38,10 +38,12 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     exits.py                    one message and one exit code from every rank; the process group torn down
 """
 
-__version__ = "1.0.0"  # pin it: pip install runkit==1.0.0 from this tree; the checkpoint format has its own version
+# Moves with every change under src/accelrun (CHANGELOG.md, newest entry first; tests/test_source.py holds the two
+# equal); the checkpoint format has a version of its own (checkpoint/manifest.py). Pinning: docs/install.md.
+__version__ = "2.0.0"
 
 # Run and add_run_args are imported when a recipe asks for them (PEP 562), not with the package: importing one module
-# of runkit (the stop command's standard-library modules, launch/slurm_launch.py's exit code) imports no torch.
+# of accelrun (the stop command's standard-library modules, launch/slurm_launch.py's exit code) imports no torch.
 _LAZY = {"Run": "run", "add_run_args": "flags"}
 __all__ = list(_LAZY)
 

@@ -48,9 +48,9 @@ def _version_problem(manifest):
     if whole(version) and version == FORMAT_VERSION:
         return None
     if "format_version" not in manifest:
-        wrote = f"records no format_version: runkit before format {FORMAT_VERSION} wrote it"
+        wrote = f"records no format_version: accelrun before format {FORMAT_VERSION} wrote it"
     else:
-        wrote = f"records format_version {shown(version)}: another version of runkit wrote it"
+        wrote = f"records format_version {shown(version)}: another version of accelrun wrote it"
     return f"{MANIFEST} {wrote}, and this code reads format {FORMAT_VERSION} only (resume it with the code that " \
            f"wrote it)"
 
@@ -197,7 +197,7 @@ TRAIN_STATE = {
     # is (results.py: its mark in the output directory).
     "output_dir": lambda v: v is None or isinstance(v, str),
     "run_id": lambda v: isinstance(v, str) and RUN_ID.fullmatch(v) is not None,
-    "stopped": lambda v: type(v) is bool,  # saved for a stop signal (the stop command, runkit/stop.py, reads it)
+    "stopped": lambda v: type(v) is bool,  # saved for a stop signal (the stop command, accelrun/stop.py, reads it)
 }
 WINDOW = {"loss_sums": lambda v: isinstance(v, list) and all(_number(x) for x in v), "micro": whole,
           "data_time": lambda v: _number(v) and v >= 0, "compute_time": lambda v: _number(v) and v >= 0}

@@ -10,7 +10,7 @@ torchvision exactly as it would load the real thing.
 It is a data generator, not a recipe: it makes no distributed calls. Run alone, it writes the digits for the
 quickstart (recipes/quickstart/) on a machine that cannot download MNIST:
 
-    python -m runkit.data.synthetic_mnist data/synthetic   # then --data-dir data/synthetic
+    python -m accelrun.data.synthetic_mnist data/synthetic   # then --data-dir data/synthetic
 """
 
 import argparse

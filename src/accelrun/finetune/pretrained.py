@@ -14,10 +14,10 @@ import re
 
 import torch
 
-from runkit.exits import one_line
-from runkit.finetune.lora import LoraProblem, with_lora
-from runkit.finetune.qlora import NF4_BYTES, for_training, quantization_config
-from runkit.finetune.weights import weights_problem
+from accelrun.exits import one_line
+from accelrun.finetune.lora import LoraProblem, with_lora
+from accelrun.finetune.qlora import NF4_BYTES, for_training, quantization_config
+from accelrun.finetune.weights import weights_problem
 
 # A hub id: a name, or an organisation and a name. Anything else given to --model is a path.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

@@ -127,7 +127,7 @@ class HeldCheckpoint:
         descriptor held for it: accelerate, DeepSpeed and torch.distributed.checkpoint load from it by path and read
         exactly the verified files."""
         if self._view is None:
-            self._view = tempfile.mkdtemp(prefix="runkit-checkpoint-")
+            self._view = tempfile.mkdtemp(prefix="accelrun-checkpoint-")
             for rel in self.held:
                 link = os.path.join(self._view, rel)
                 os.makedirs(os.path.dirname(link), mode=0o700, exist_ok=True)

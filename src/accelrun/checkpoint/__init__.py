@@ -2,11 +2,11 @@
 
 Run calls two names: lock_directory() at start-up and Checkpointer for the rest (save, choose, load, release); a run
 with no --checkpoint-dir (and no --resume PATH) uses NoCheckpoints and imports none of the package's other modules.
-runkit/__init__.py's table lists the package's modules with the one concern each owns; docs/checkpoints.md is the
+accelrun/__init__.py's table lists the package's modules with the one concern each owns; docs/checkpoints.md is the
 design and its threat model.
 
 Both names are imported when asked for (PEP 562): the standard-library modules here (layout, owners, untrusted,
-lock) import without torch or accelerate, so that the stop command (runkit/stop.py) runs with the standard
+lock) import without torch or accelerate, so that the stop command (accelrun/stop.py) runs with the standard
 library alone.
 """
 

@@ -12,7 +12,7 @@ import glob
 import json
 import os
 
-from runkit.exits import one_line
+from accelrun.exits import one_line
 
 KINDS = {"str": "text", "list": "a list", "dict": "an object", "int": "a number", "float": "a number",
          "bool": "true or false"}  # what a JSON value is, as a message says it

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runkit.finetune.chunked_loss import IGNORE, LOSS_COUNT, next_token_targets
+from accelrun.finetune.chunked_loss import IGNORE, LOSS_COUNT, next_token_targets
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ MAY_CHANGE = {
 
 
 # Another number of processes, per kind of checkpoint (checkpoint_kind()): how the checkpoint's state reaches the new
-# ranks. Every kind can (ZeRO-3 with runkit's repair of DeepSpeed's stage-3 universal load: resharding.py).
+# ranks. Every kind can (ZeRO-3 with accelrun's repair of DeepSpeed's stage-3 universal load: resharding.py).
 UNIVERSAL = ("DeepSpeed's universal checkpoint (ds_to_universal, converted once into the checkpoint's universal/ "
              "part, then load_universal) repartitions the {} onto the new ranks")
 WORLD_SIZE_CHANGE = {

@@ -324,7 +324,7 @@ def _holder(data):
 def alive(pid):
     """Whether process `pid` runs on this host: one that does not exist does not, nor does a zombie (it has ended and
     its parent has not reaped it yet: a run killed under a launcher that lives on); another user's does. The one
-    answer for the lock's holder and for the stop command (runkit/stop.py)."""
+    answer for the lock's holder and for the stop command (accelrun/stop.py)."""
     if not whole(pid, 1, PID_MAX):  # os.kill(0) or (-1) would ask about process groups, a huge pid overflow
         return False
     try:

@@ -30,7 +30,7 @@ import signal
 import threading
 from typing import NamedTuple
 
-from runkit.exits import one_line
+from accelrun.exits import one_line
 
 from .packing import BLOCK_COLUMNS, IGNORE, block_facts, into_blocks
 from .records import (  # noqa: F401  (DataProblem: what the recipe catches, imported from here)

@@ -1,7 +1,7 @@
 """The epoch loop a resumed run re-enters mid-epoch, exactly: the same shuffle, the steps it already holds skipped,
 whole optimizer steps only, and no draw from torch's global RNG that the uninterrupted run did not make.
 
-Run.epochs() iterates it; docs/writing-a-recipe.md ("A loop without runkit") shows the same in a few lines.
+Run.epochs() iterates it; docs/writing-a-recipe.md ("A loop without accelrun") shows the same in a few lines.
 """
 
 import itertools

@@ -1,6 +1,6 @@
 """The stop command: stop the run that holds a --checkpoint-dir with a checkpoint, from outside the run.
 
-    python3 -m runkit.stop CHECKPOINT_DIR
+    python3 -m accelrun.stop CHECKPOINT_DIR
 
 stops the run that holds CHECKPOINT_DIR (its lock names the main process) with a checkpoint, waits until it has
 saved and ended, and exits 75 as the run itself does, which accelerate launch cannot pass on: it turns any exit of
@@ -11,7 +11,7 @@ The directory is shared storage, untrusted: this command reads it only through t
 need nothing but the standard library: the names and size limits (checkpoint/layout.py), whose entries a run may
 use and how many it looks at (checkpoint/owners.py), the bounded read of a small file (checkpoint/untrusted.py) and
 whether a process is alive (checkpoint/lock.py); it signals only a process of this host that holds the lock open.
-runkit/__init__.py imports nothing eagerly, so the command imports no torch.
+accelrun/__init__.py imports nothing eagerly, so the command imports no torch.
 """
 
 import json
@@ -21,11 +21,11 @@ import socket
 import sys
 import time
 
-from runkit.checkpoint.layout import LOCK, LOCK_MAX_BYTES, MANIFEST, MANIFEST_MAX_BYTES, is_lock_name, steps
-from runkit.checkpoint.lock import alive
-from runkit.checkpoint.owners import INSPECTED
-from runkit.checkpoint.untrusted import read_small
-from runkit.stopping import EXIT_STOPPED
+from accelrun.checkpoint.layout import LOCK, LOCK_MAX_BYTES, MANIFEST, MANIFEST_MAX_BYTES, is_lock_name, steps
+from accelrun.checkpoint.lock import alive
+from accelrun.checkpoint.owners import INSPECTED
+from accelrun.checkpoint.untrusted import read_small
+from accelrun.stopping import EXIT_STOPPED
 
 WAIT_S = 900  # how long the command waits for the run to save and end, by default
 
@@ -130,7 +130,7 @@ def stop_run(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python3 -m runkit.stop", description="Stop the run that holds CHECKPOINT_DIR with a checkpoint, as its "
+        prog="python3 -m accelrun.stop", description="Stop the run that holds CHECKPOINT_DIR with a checkpoint, as its "
         "first line says: it finishes its step, every rank saves, and it exits. Exits 75 once that checkpoint is saved "
         "(run the run's command again to resume), 0 if the run finished first, 1 if it ended without saving or is "
         "still running after --wait, 2 if no run of this user's on this host holds the directory.")
@@ -140,7 +140,7 @@ def stop_run(argv=None):
     directory = args.checkpoint_dir
     pid, problem = _holder_pid(directory)
     if problem:
-        print(f"runkit.stop: error: {problem}", file=sys.stderr, flush=True)
+        print(f"accelrun.stop: error: {problem}", file=sys.stderr, flush=True)
         return 2
     cwd, (before, _) = os.readlink(f"/proc/{pid}/cwd"), _newest_state(directory)
     signalled = time.time()
@@ -148,8 +148,8 @@ def stop_run(argv=None):
     print(f"stopping the run on {directory} (pid {pid}): it finishes its step, saves a checkpoint and exits",
           flush=True)
     if not _wait(pid, args.wait):
-        print(f"runkit.stop: error: pid {pid} is still running {args.wait:g} s after SIGTERM (a long step or save, or "
-              f"it does not act on the signal): wait longer (--wait), or look at its output", file=sys.stderr,
+        print(f"accelrun.stop: error: pid {pid} is still running {args.wait:g} s after SIGTERM (a long step or save, "
+              f"or it does not act on the signal): wait longer (--wait), or look at its output", file=sys.stderr,
               flush=True)
         return 1
     return _outcome(directory, pid, before, cwd, signalled)
@@ -167,7 +167,7 @@ def _outcome(directory, pid, before, cwd, signalled):
     if state and os.path.isfile(summary) and os.path.getmtime(summary) >= signalled:
         print(f"the run had finished before it could stop: its results are in {os.path.dirname(summary)}", flush=True)
         return 0
-    print(f"runkit.stop: error: pid {pid} ended without saving a checkpoint for the stop (its own output says why; a "
+    print(f"accelrun.stop: error: pid {pid} ended without saving a checkpoint for the stop (its own output says why; a "
           f"run stopped before its first step has nothing to save); the newest checkpoint in {directory} is "
           f"{path or 'none'}", file=sys.stderr, flush=True)
     return 1

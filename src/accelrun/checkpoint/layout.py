@@ -1,5 +1,5 @@
 """The names and size limits of what a --checkpoint-dir holds: one definition for the checkpoint code and the stop
-command (runkit/stop.py) alike. Standard library only.
+command (accelrun/stop.py) alike. Standard library only.
 
     step-00000120/      a complete checkpoint: the engine's files (formats.py), rank-R.done markers and
                         checkpoint.json (manifest.py: the training state, the layout, the size and SHA-256 of
