@@ -24,6 +24,7 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     checkpoint/rules.py         what a resumed run must share with the checkpoint, and what it may change
     checkpoint/resharding.py    another world size or --grad-accum: each per-rank rule, the universal checkpoint
     checkpoint/safe_loading.py  what a checkpoint file may contain: no code runs, memory bounded by size
+    trust.py                    which directories a run may write into: trusted by their owner, as ssh trusts a path
     results.py                  where results go (run.json), written without following links
     collectives.py              verdicts every rank reaches together
     sharded_model.py            run.sharded_init(): the model built sharded under ZeRO-3 and FSDP
