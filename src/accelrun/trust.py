@@ -22,7 +22,8 @@ import os
 import pwd
 import stat
 
-TRUST_ENV = "ACCELRUN_TRUST_SHARED_DIRS"  # "1": the other writers of a shared directory are trusted (what it risks: above)
+# "1": the other writers of a shared directory are trusted (what it risks: the docstring above)
+TRUST_ENV = "ACCELRUN_TRUST_SHARED_DIRS"
 ROOT = 0
 
 

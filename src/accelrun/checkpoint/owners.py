@@ -12,9 +12,9 @@ counted, read or removed (choose.py, rotate.py, lock.py, untrusted.py, held.py, 
 """
 
 import os
-import pwd
 import sys
 
+from ..trust import who
 from .layout import steps
 
 INSPECTED = 1000  # step-* entries whose manifests one choice reads, newest first
@@ -24,14 +24,6 @@ SHOWN = 10  # entries passed over that are named, one line each; the rest are co
 def mine(st):
     """Whether the entry whose (l)stat result is `st` belongs to the user this process runs as."""
     return st.st_uid == os.geteuid()
-
-
-def who(uid):
-    """A user, as a message names them: `user NAME (uid N)`, or `uid N` when the name is unknown here."""
-    try:
-        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
 
 
 def theirs(st):
