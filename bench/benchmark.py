@@ -7,7 +7,7 @@
     python bench/benchmark.py --recipe gpt --preset 124M --mixed-precision bf16 --configs 1gpu_compile.yaml
     python bench/benchmark.py --recipe finetune_lm --configs 1gpu.yaml --batch-size 8 \
         --recipe-args "--model my-llama --data-files chat.jsonl --block-size 1024"
-    python bench/benchmark.py --gpu-table                      # on a GPU: python bench/gpu_table.py (its flags)
+    python bench/benchmark.py --gpu-table                      # on a GPU: python gpu_check/gpu_table.py
 
 Every run has the same global batch, seed, step count and precision (--mixed-precision, fp32 by
 default, like the baselines). On a machine with GPUs every run uses all of them; without, it runs
@@ -557,8 +557,8 @@ def write_report(out, args, results, settings, on_gpu):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if "--gpu-table" in argv:  # handed to bench/gpu_table.py with its other flags: it imports this module, not back
-        table = str(REPO / "bench" / "gpu_table.py")
+    if "--gpu-table" in argv:  # handed to gpu_check/gpu_table.py with its flags: it imports this module, not back
+        table = str(REPO / "gpu_check" / "gpu_table.py")
         os.execv(sys.executable, [sys.executable, table, *(a for a in argv if a != "--gpu-table")])
     args = parse_args(argv)
     import torch

@@ -3,8 +3,8 @@ and real tokens/s, on uneven chat data, --packing and --no-packing.
 
     python bench/packing_cpu.py [--width 256] [--layers 4] [--block-size 256] [--steps 12] [--batch-size 8]
 
-Builds a random Llama (tests/helpers/tiny_hf.py's tokenizer and model writer, at the width and depth given) and 800
-conversations of one to three question/answer exchanges (tests/helpers/tiny_hf.py's chat.jsonl generator), then runs
+Builds a random Llama (accelrun.data.tiny_hf's tokenizer and model writer, at the width and depth given) and 800
+conversations of one to three question/answer exchanges (accelrun.data.tiny_hf's chat.jsonl generator), then runs
 `python recipes/finetune_lm.py` twice, one process, fp32, with the same flags but --packing/--no-packing, and
 prints what each run's summary and metrics say. Printed figures, not a test: the CPU shows the direction (how
 much of a padded block is padding, and what packing buys per real token); the GPU's figures come from
@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 
 def parse_args(argv=None):
@@ -36,7 +35,7 @@ def parse_args(argv=None):
 
 def build(root, args):
     """The tokenizer, the model and the chat data in root."""
-    from tiny_hf import conversations, corpus, write_model, write_tokenizer
+    from accelrun.data.tiny_hf import conversations, corpus, write_model, write_tokenizer
     tok = write_tokenizer(root / "model", [p + r for p, r in corpus()])
     write_model(root / "model", tok, layers=args.layers, width=args.width, context=args.block_size)
     with open(root / "chat.jsonl", "w") as f:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from image_folder import write_image_folder
+from accelrun.data.image_folder import write_image_folder
+from accelrun.data.tiny_hf import write_all
 from launching import (
     CPU_SHIM,
     FP32,
@@ -38,7 +39,6 @@ from launching import (
     run_command,
     write_corpus,
 )
-from tiny_hf import write_all
 
 # What a DeepSpeed launch on the CPU route compiles on first use in a fresh environment (cpu_route/sitecustomize.py:
 # deepspeed_shm_comm at start-up, cpu_adam for optimizer offload), through the very calls the launches make.

@@ -248,8 +248,8 @@ def test_benchmark_refuses_an_unknown_config(tmp_path):
 
 def test_gpu_table_refuses_a_machine_without_gpu(tmp_path):
     """The GPU table measures GPUs: here it says so in one line, exits 2 and writes nothing. Asked through
-    bench/benchmark.py --gpu-table, which hands it to bench/gpu_table.py (that module imports the benchmark, never
-    the other way round)."""
+    bench/benchmark.py --gpu-table, which hands it to gpu_check/gpu_table.py (that module imports the benchmark,
+    never the other way round)."""
     code, output = run_command([sys.executable, "bench/benchmark.py", "--gpu-table", "--out", str(tmp_path / "r"),
                                 "--work", str(tmp_path / "w")], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert code == 2, output[-3000:]
@@ -257,13 +257,13 @@ def test_gpu_table_refuses_a_machine_without_gpu(tmp_path):
                                            "run it where one is (README, 'On a GPU'), or see its plan with --dry-run"]
     assert not (tmp_path / "r").exists() and not (tmp_path / "w").exists()
     imports = {path.stem: re.findall(r"^(?:from|import) (\w+)", path.read_text(), re.M)
-               for path in (REPO / "bench").glob("*.py")}
+               for path in [*(REPO / "bench").glob("*.py"), *(REPO / "gpu_check").glob("*.py")]}
     assert "benchmark" in imports["gpu_table"] and "gpu_table" not in imports["benchmark"]
     assert not [name for name, found in imports.items() if "gpu_table" in found and name != "gpu_call"]
 
 
 def gpu_table_modules():
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path[:0] = [str(REPO / "bench"), str(REPO / "gpu_check")]
     import benchmark
     import gpu_table
     return benchmark, gpu_table

@@ -3,7 +3,7 @@ never in the loss), chat conversations learned on their assistant turns only, th
 values of the wrong type refused with one message (DataProblem), the examples --block-size cuts counted, and a
 --block-size that fits the model by default.
 
-Most of it runs in this process on tests/helpers/tiny_hf.py's tokenizer (its chat template has {% generation %} markers;
+Most of it runs in this process on accelrun.data.tiny_hf's tokenizer (its chat template has {% generation %} markers;
 copies without markers and without a template); two runs of the recipe (python, one process) check what only a
 run shows: a refusal without a traceback, and a chat fine-tune's summary.
 """
@@ -14,17 +14,17 @@ import sys
 
 import pytest
 
-from launching import REPO, LaunchResult, run_command
-from run_checks import assert_refused
-from tiny_hf import (
+from accelrun.data.tiny_hf import (
     PLAIN_CHAT_TEMPLATE,
     conversations,
     corpus,
-    planted_copy,
     uneven_pairs,
     with_chat_template,
     write_all,
 )
+from launching import REPO, LaunchResult, run_command
+from planted import planted_copy
+from run_checks import assert_refused
 
 sys.path.insert(0, str(REPO / "recipes"))
 import accelrun.finetune.examples as examples_module  # noqa: E402

@@ -1,4 +1,4 @@
-"""recipes/finetune_lm.py on a tiny random Llama and a tokenizer built here (tests/helpers/tiny_hf.py), saved in
+"""recipes/finetune_lm.py on a tiny random Llama and a tokenizer built here (accelrun.data.tiny_hf), saved in
 Hugging Face's formats, launched for real under every config (2 CPU processes).
 
 One launch per config serves every assertion about it: the engine, the step-by-step match with one
@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from accelrun.data.tiny_hf import conversations, corpus, uneven_pairs
 from launching import (
     CONFIG_FILES,
     FINETUNE_BATCH,
@@ -33,8 +34,8 @@ from launching import (
     run_command,
     run_commands,
 )
+from planted import planted_copy
 from run_checks import assert_engine, assert_refused, assert_shards_held
-from tiny_hf import conversations, corpus, planted_copy, uneven_pairs
 
 sys.path.insert(0, str(REPO / "recipes"))
 STEPS, BATCH, BLOCK = FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_BLOCK
@@ -187,8 +188,8 @@ def test_a_lora_run_on_a_base_whose_weights_were_replaced_is_refused(hf, tmp_pat
     complete, before any model loads)."""
     from transformers import AutoTokenizer
 
+    from accelrun.data.tiny_hf import write_model
     from accelrun.finetune.weights import WeightsProblem, check_base
-    from tiny_hf import write_model
     base, out = shutil.copytree(hf / "model", tmp_path / "base"), tmp_path / "out"
     cmd = [sys.executable, "recipes/finetune_lm.py", *finetune_args(hf), "--model", str(base), *LORA,
            "--max-steps", "3", "--checkpoint-dir", str(tmp_path / "ckpt"), "--output-dir", str(out)]

@@ -28,9 +28,9 @@ import sys
 import pytest
 import torch
 
-from image_folder import write_image_folder
+from accelrun.data.image_folder import write_image_folder
+from accelrun.data.tiny_hf import write_all
 from launching import CONFIG_DIR, REPO, LaunchResult, free_port, load_yaml, run_command, write_corpus
-from tiny_hf import write_all
 
 GPUS = torch.cuda.device_count()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="no CUDA device: the GPU pack needs one")]

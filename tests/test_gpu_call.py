@@ -1,5 +1,5 @@
-"""The one GPU call on a CPU (issue 42, item 5): bench/gpu_pack.sh, bench/gpu_call.py, bench/gpu_wheels.py,
-bench/pack_report.py and the table's stages in bench/gpu_table.py, with the GPU work stood in for by small scripts.
+"""The one-command GPU check on a CPU (issue 42, item 5; issue 53, item 3): gpu_check/run.sh, gpu_call.py,
+gpu_wheels.py, pack_report.py and the table's stages in gpu_table.py, with the GPU work stood in for by small scripts.
 
 What is checked: the install step (a missing wheel, a missing import: one line, exit 2; nothing installed into this
 Python: the wheels go into a folder), the preparation's dependency rules against the image's package list, the
@@ -22,7 +22,7 @@ import pytest
 
 from launching import REPO, run_command
 
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "gpu_check"))
 import gpu_call  # noqa: E402
 import gpu_table  # noqa: E402
 import gpu_wheels  # noqa: E402
@@ -46,20 +46,20 @@ def fake_wheel(folder, name, code, requires=()):
 
 # ---- the install -----------------------------------------------------------------------------------------------
 def test_install_names_a_missing_wheel_in_one_line_and_exits_2(tmp_path):
-    """The GPU machine's install with .gpu/w lacking one of CARRY's wheels: one line naming it and what to do,
-    exit 2, nothing installed. Also when there is no .gpu/w at all (it is git-ignored: it travels only if carried)."""
+    """The GPU node's install with .gpu/w lacking one of CARRY's wheels: one line naming it and what to do,
+    exit 2, nothing installed. Also when there is no .gpu/w at all (it is git-ignored: a fresh clone has none)."""
     wheels = tmp_path / "w"
     wheels.mkdir()
     for name in gpu_wheels.CARRY:
         if name != "dill":
             (wheels / f"{name.replace('-', '_')}-1.0-py3-none-any.whl").touch()
     for folder, named in ((wheels, "has no wheel for dill"), (tmp_path / "absent", "there is no")):
-        result = subprocess.run([sys.executable, "bench/gpu_wheels.py", "install", "--wheels", str(folder),
+        result = subprocess.run([sys.executable, "gpu_check/gpu_wheels.py", "install", "--wheels", str(folder),
                                  "--target", str(tmp_path / "site")], cwd=REPO, capture_output=True, text=True)
         assert result.returncode == 2 and result.stdout == "", result
         [line] = result.stderr.splitlines()
         assert line.startswith(f"error: {folder} {named}" if folder == wheels else f"error: there is no {folder}")
-        assert line.endswith("run `bash bench/gpu_pack.sh prepare` where pip works, then carry .gpu/w "
+        assert line.endswith("run `bash gpu_check/run.sh prepare` where pip works, then copy .gpu/w here "
                              "(README, 'On a GPU')"), line
         assert not (tmp_path / "site").exists()
     (wheels / "dill-0.9-py3-none-any.whl").touch()
@@ -81,7 +81,7 @@ def test_install_checks_every_import_after_the_install(tmp_path, monkeypatch, ca
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("error: import gpucheck_broken fails after the install (ModuleNotFoundError: No module "
                            "named 'gpucheck_lacking'): this machine lacks gpucheck_lacking: add its distribution to "
-                           "CARRY in bench/gpu_wheels.py"), line
+                           "CARRY in gpu_check/gpu_wheels.py"), line
     assert (site / "gpucheck_ok" / "__init__.py").exists()  # installed; it imports
     result = gpu_wheels.import_check(sys.executable, ["gpucheck_ok"], ["gpucheck-ok"], site)
     assert result == {"failed": {}, "unmet": ["gpucheck-ok needs gpucheck-absent>=2, and this machine has none"]}
@@ -159,14 +159,14 @@ def test_pack_is_stopped_at_its_cap_and_leaves_no_process(tmp_path):
 
 
 def test_pack_record_says_what_passed_failed_and_was_not_reached(tmp_path):
-    """bench/pack_report.py records the collected tests and each outcome as it comes; a pack cut short (here by
+    """gpu_check/pack_report.py records the collected tests and each outcome as it comes; a pack cut short (here by
     -x after a failure) reads back with what it did not reach named."""
     (tmp_path / "test_three.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    assert False\n\n\n"
                                             "def test_c():\n    pass\n")
     record = tmp_path / "pack.jsonl"
     code, output = run_command([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p",
                                 "pack_report", "test_three.py"], cwd=tmp_path, timeout=120,
-                               env={"GPU_PACK_RECORD": str(record), "PYTHONPATH": str(REPO / "bench")})
+                               env={"GPU_PACK_RECORD": str(record), "PYTHONPATH": str(REPO / "gpu_check")})
     assert code == 1, output
     summary = gpu_call.pack_summary(record)
     assert summary == {"collected": ["test_three.py::test_a", "test_three.py::test_b", "test_three.py::test_c"],
@@ -276,11 +276,14 @@ def test_table_writes_each_part_as_it_ends_and_lists_what_it_did_not_reach(tmp_p
 
 # ---- the one command -------------------------------------------------------------------------------------------
 def test_one_command_dry_run_without_cuda_shows_the_plan_the_budget_and_the_order(tmp_path):
-    """`bash bench/gpu_pack.sh --dry-run` where CUDA is absent: the plan, the budget split and the parts in the
+    """`bash gpu_check/run.sh --dry-run` where CUDA is absent: the plan, the budget split and the parts in the
     order they run; the real command there stops in one line (exit 2) before installing or writing anything."""
-    code, output = run_command(["bash", "bench/gpu_pack.sh", "--dry-run", "--budget-s", "300"], env=NO_CUDA,
-                               timeout=120)
+    code, output = run_command(["bash", "gpu_check/run.sh", "--dry-run", "--budget-s", "300"],
+                               env={**NO_CUDA, "OUT": str(tmp_path / "env-out")}, timeout=120)
     assert code == 0, output
+    # results go where --out says, else under bench/results/: an $OUT in the environment is nobody's choice here
+    assert f"output: {REPO / 'bench' / 'results'}/" in output and "-gpu-check: README.md" in output, output
+    assert str(tmp_path / "env-out") not in output
     assert "CUDA absent: a real call here stops (exit 2)" in output
     split = gpu_call.split_budget(300, gpu_call.INSTALL_EXPECTED_S)
     assert (f"budget: 300 s = install {gpu_call.INSTALL_EXPECTED_S} s + pack cap {split['pack']:.0f} s (each launch "
@@ -293,10 +296,10 @@ def test_one_command_dry_run_without_cuda_shows_the_plan_the_budget_and_the_orde
     assert at == sorted(at), list(zip(order, at))
     assert "not built yet" not in output  # every part has its recipe's flags now (QLoRA's came last)
     assert "beyond the budget by the estimates" in output  # 300 s reaches the fine-tunes, not the rest
-    code, output = run_command(["bash", "bench/gpu_pack.sh", "--budget-s", "300", "--out", str(tmp_path / "o")],
-                               env={**NO_CUDA, "OUT": ""}, timeout=120)
+    code, output = run_command(["bash", "gpu_check/run.sh", "--budget-s", "300", "--out", str(tmp_path / "o")],
+                               env=NO_CUDA, timeout=120)
     assert code == 2 and output.strip().splitlines() == [
-        "error: no CUDA device here: the GPU call needs one (see its plan with --dry-run; on a CPU run the suite: "
+        "error: no CUDA device here: the GPU check needs one (see its plan with --dry-run; on a CPU run the suite: "
         "README, 'Tests')"], output
     assert not (tmp_path / "o").exists()
 

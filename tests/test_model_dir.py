@@ -1,7 +1,7 @@
 """A --model directory is untrusted (shared storage): loading it never runs its code, and each problem it can hold
 ends in one line before transformers allocates or loads anything (src/accelrun/finetune/). Issue 46, item 4.
 
-Quick: each problem planted into a copy of helpers/tiny_hf.py's model (tiny_hf.planted_copy) and read by the functions
+Quick: each problem planted into a copy of accelrun.data.tiny_hf's model (helpers/planted.py) and read by the functions
 finetune_lm.py calls, in this process; custom code with a terminal that answers "y" to any question.
 The run that shows the line as the recipe prints it: test_finetune_lm.py's test_each_input_error_is_one_clear_message.
 Also LoRA's base: the fingerprint that tells one model's weights from another's (issue 41, item 2).
@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
+from accelrun.data.tiny_hf import write_all, write_model, write_tokenizer
 from launching import REPO
-from tiny_hf import planted_copy, write_all, write_model, write_tokenizer
+from planted import planted_copy
 
 sys.path.insert(0, str(REPO / "recipes"))
 from accelrun.finetune.pretrained import load_config_and_tokenizer  # noqa: E402

@@ -95,14 +95,14 @@ def test_mnist_reports_to_tensorboard_and_profiles_every_rank(launch):
      [TAB_BLUE, TAB_ORANGE]),
 ])
 def test_every_training_recipe_reports_and_profiles(recipe, args, tags, size, colours, tmp_path):
-    from image_folder import write_image_folder
+    from accelrun.data.image_folder import write_image_folder
     if recipe == "gpt":
         (tmp_path / "corpus.txt").write_text("\n".join(f"line {i} of a small corpus {i * 7 % 11}" for i in range(800)))
         args = [*args, "--data-files", str(tmp_path / "corpus.txt")]
     if recipe == "resnet":
         args = [*args, "--data-dir", str(write_image_folder(tmp_path / "images", 16, 4, size=16))]
     if recipe == "finetune_lm":
-        from tiny_hf import write_all
+        from accelrun.data.tiny_hf import write_all
         hf = write_all(tmp_path / "hf")
         args = [*args, "--model", str(hf / "model"), "--data-files", str(hf / "pairs.jsonl")]
     out = tmp_path / "out"

@@ -466,7 +466,7 @@ def test_two_node_job(two_nodes, data_dir, tmp_path, config):
 def test_two_node_finetune_under_zero3(two_nodes, tmp_path):
     """recipes/finetune_lm.py through the multi-node template: one DeepSpeed ZeRO-3 process per node, the
     Hugging Face model loaded partitioned across the nodes and exported whole, loadable with from_pretrained."""
-    from tiny_hf import write_all
+    from accelrun.data.tiny_hf import write_all
     hf = write_all(tmp_path / "hf")
     args = ["--model", str(hf / "model"), "--data-files", str(hf / "pairs.jsonl"), "--block-size", "32", "--max-steps",
             "4", "--batch-size", "16", "--log-every", "1", "--sample-tokens", "0"]
@@ -559,7 +559,7 @@ def test_time_left_reads_squeue(remaining, expected):
 
 
 def test_shell_scripts_are_clean():
-    scripts = [*sorted((REPO / "launch").glob("*.sbatch")), REPO / ".ci" / "run", REPO / "bench" / "gpu_pack.sh"]
+    scripts = [*sorted((REPO / "launch").glob("*.sbatch")), REPO / ".ci" / "run", REPO / "gpu_check" / "run.sh"]
     for script in scripts:
         text = script.read_text()
         assert "set -euo pipefail" in text, script

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from launching import REPO
+from launching import REPO, launch_environment
 
 TRAINING_RECIPES = sorted((REPO / "recipes").glob("*.py"))
 RECIPES = TRAINING_RECIPES + sorted((REPO / "recipes" / "quickstart").glob("*.py"))
@@ -79,12 +79,29 @@ def test_contract_check_catches_violations():
     assert contract_violations("x = x.to(accelerator.device)") == set()
 
 
-def test_tiny_hf_help_prints_help_and_writes_nothing(tmp_path):
-    """docs tell users to run tests/helpers/tiny_hf.py: --help is help, never a directory named --help."""
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "tiny_hf.py"), "--help"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout.startswith("usage: tiny_hf.py"), result.stderr
+@pytest.mark.parametrize("name", ["tiny_hf", "image_folder"])
+def test_data_generators_help_prints_help_and_writes_nothing(name, tmp_path):
+    """docs tell users to run `python -m accelrun.data.tiny_hf DIR` (installed with the package, issue 53 item 3):
+    --help is help, never a directory named --help, and it answers from any directory."""
+    result = subprocess.run([sys.executable, "-m", f"accelrun.data.{name}", "--help"], cwd=tmp_path,
+                            env=launch_environment(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith(f"usage: python -m accelrun.data.{name}"), result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_image_folder_writes_the_class_folders_resnet_reads(tmp_path, capsys):
+    """`python -m accelrun.data.image_folder DIR` (in this process): DIR/train and DIR/val, a folder per class, PNG
+    and JPEG files of the size asked; a count below 1 is refused by argparse."""
+    from accelrun.data import image_folder
+
+    image_folder.main([str(tmp_path / "img"), "--train-per-class", "3", "--val-per-class", "1", "--size", "8"])
+    found = sorted(str(p.relative_to(tmp_path / "img")) for p in (tmp_path / "img").rglob("*.*"))
+    assert found == [f"{split}/{c}/{n}" for split, names in (("train", ("0000.png", "0001.jpg", "0002.png")),
+                                                             ("val", ("0000.png",)))
+                     for c in image_folder.CLASSES for n in names], found
+    with pytest.raises(SystemExit):
+        image_folder.parse_args(["x", "--size", "0"])
+    assert "--size: '0': give a whole number, 1 or more" in capsys.readouterr().err
 
 
 def test_negative_checkpoint_counts_are_refused_by_argparse():

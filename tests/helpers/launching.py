@@ -203,7 +203,7 @@ def recipe_args(recipe, config, data):
     }[recipe]
 
 
-# finetune_lm.py's test runs, on tests/helpers/tiny_hf.py's model and data (conftest's hf, finetune and lora fixtures):
+# finetune_lm.py's test runs, on accelrun.data.tiny_hf's model and data (conftest's hf, finetune and lora fixtures):
 # 8 steps of 16 blocks of 64 tokens, the uneven pairs packed about 1.5 to a block (every engine runs packed
 # blocks); LoRA of rank 4, in the precision each engine runs it in.
 FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_BLOCK = 8, 16, 64

@@ -1,27 +1,27 @@
-"""The whole GPU proof in one device call: the offline install, the GPU pack, then the GPU table, in the caller's
-time budget, everything kept as it comes (issue 42).
+"""The whole GPU check in one command on a GPU node without internet: the offline install, the GPU pack, then the
+GPU table, in the caller's time budget, everything kept as it comes (issue 42).
 
-    bash bench/gpu_pack.sh --budget-s 540        # on the GPU machine, .gpu/w carried (README, "On a GPU")
-    bash bench/gpu_pack.sh --dry-run             # anywhere, CUDA or not: the plan, the budget split and the order
-    bash bench/gpu_pack.sh pack                  # one phase alone (or: table), with the whole budget
+    bash gpu_check/run.sh --budget-s 540        # on the GPU node, .gpu/w copied with the tree (README, "On a GPU")
+    bash gpu_check/run.sh --dry-run             # anywhere, CUDA or not: the plan, the budget split and the order
+    bash gpu_check/run.sh pack                  # one phase alone (or: table), with the whole budget
 
 Owns the order, the budget split and the supervision of the three phases:
-  1. the install (bench/gpu_wheels.py): prebuilt wheels from .gpu/w, no index, every import checked; a missing
-     wheel or import is named in one line and the call exits 2 before anything runs;
+  1. the install (gpu_check/gpu_wheels.py): prebuilt wheels from .gpu/w, no index, every import checked; a missing
+     wheel or import is named in one line and the check exits 2 before anything runs;
   2. the pack: `pytest tests/test_gpu.py -m gpu` (that file alone: each xdist worker collects nothing else, and no
      other module's import can abort it) on 8 workers ($PACK_WORKERS) sharing the GPU, the cores shared among their
      inductor workers; capped at PACK_SHARE of the budget (PACK_MIN_S..PACK_MAX_S), each launch at what is left of
      the cap after the workers' start (a hung launch fails its test, not the pack); at the cap pytest gets SIGINT,
-     then SIGKILL. bench/pack_report.py records each test as it ends, so what was not reached is known;
-  3. the table (bench/gpu_table.py): the fine-tune parts first, in what is left of the budget but END_S, which is
-     kept for the last report. Its files are rewritten the moment each part ends.
+     then SIGKILL. gpu_check/pack_report.py records each test as it ends, so what was not reached is known;
+  3. the table (gpu_check/gpu_table.py): the fine-tune parts first, in what is left of the budget but END_S, which
+     is kept for the last report. Its files are rewritten the moment each part ends.
 A lower budget shortens the table (its last parts are listed as not reached) instead of losing it. Every process a
 phase starts carries a mark in its environment: whatever outlives its phase is ended by it (kill_marked).
-Writes into $OUT (a device call's folder that comes back; at most 8 files), else bench/results/<date>-gpu-call/:
-README.md (the plan, the budget, the install, the pack; rewritten after each phase), pack.log, pack.jsonl,
-table.md, table.json, failures.log. Its output is a line per phase and the table's lines, which end with table.md
-(a device call returns the last 12 kB of output). Exit 2: no CUDA, or the install refused (one line); 1: a pack test
-failed or was not reached, or a table part failed (parts the budget did not reach are listed, not failed); else 0.
+Writes into --out (default bench/results/<date>-gpu-check/): README.md (the plan, the budget, the install, the
+pack; rewritten after each phase), pack.log, pack.jsonl, table.md, table.json, failures.log. Its output is a line
+per phase and the table's lines, which end with table.md (a batch job's log then holds the whole result). Exit 2:
+no CUDA, or the install refused (one line); 1: a pack test failed or was not reached, or a table part failed (parts
+the budget did not reach are listed, not failed); else 0.
 """
 
 import argparse
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import gpu_table
 import gpu_wheels
-from benchmark import REPO
+from gpu_wheels import REPO
 
 END_S = 20  # kept at the end: the table's last files, README.md, the processes' exit
 INSTALL_EXPECTED_S = 30  # for the plan of a dry run: pip with no index, then the imports (torch, DeepSpeed...)
@@ -192,7 +192,7 @@ def run_pack(call, split, python):
     record.unlink(missing_ok=True)
     env = {**OFFLINE, "GPU_PACK_RECORD": str(record), "GPU_PACK_LAUNCH_S": f"{split['launch']:.0f}",
            "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, cores // workers)),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "bench"), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "gpu_check"), os.environ.get("PYTHONPATH")]))}
     begun = time.monotonic()
     code, stopped = supervise(pack_command(workers, python), env, split["pack"], signal.SIGINT, call.out / "pack.log")
     summary = pack_summary(record)
@@ -206,7 +206,7 @@ def run_table(call, seconds, python, parts=None):
     if seconds < TABLE_MIN_S:
         call.say("table", [f"table: not reached: {seconds:.0f} s of the budget left"])
         return True
-    cmd = [python, str(REPO / "bench" / "gpu_table.py"), "--budget-s", f"{seconds:.0f}", "--out", str(call.out),
+    cmd = [python, str(REPO / "gpu_check" / "gpu_table.py"), "--budget-s", f"{seconds:.0f}", "--out", str(call.out),
            *(["--parts", *parts] if parts else [])]
     begun = time.monotonic()
     code, stopped = supervise(cmd, OFFLINE, seconds + STOP_GRACE_S, signal.SIGTERM)
@@ -238,24 +238,23 @@ def dry_run(args, python):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="bash bench/gpu_pack.sh", description=__doc__.split("\n")[0],
-                                epilog="Where pip works, `bash bench/gpu_pack.sh prepare` builds .gpu/w first.")
+    p = argparse.ArgumentParser(prog="bash gpu_check/run.sh", description=__doc__.split("\n")[0],
+                                epilog="Where pip works, `bash gpu_check/run.sh prepare` builds .gpu/w first.")
     p.add_argument("--budget-s", type=float, default=540.0,
-                   help="seconds for the whole call, install included (give the device call's limit less a minute)")
+                   help="seconds for the whole check, install included (give the time you have, less a minute)")
     p.add_argument("--only", choices=["pack", "table"], default=None, help="one phase, with the whole budget")
     p.add_argument("--parts", nargs="+", default=None,
-                   help="the table's parts to run (default: all; bench/gpu_table.py PARTS), in PARTS' order")
+                   help="the table's parts to run (default: all; gpu_check/gpu_table.py PARTS), in PARTS' order")
     p.add_argument("--dry-run", action="store_true", help="print the plan, the budget split and the order; run nothing")
-    p.add_argument("--wheels", type=Path, default=gpu_wheels.WHEELS, help="the carried wheels (default .gpu/w)")
+    p.add_argument("--wheels", type=Path, default=gpu_wheels.WHEELS, help="the prepared wheels (default .gpu/w)")
     p.add_argument("--out", type=Path, default=None,
-                   help="default: $OUT where set, else bench/results/<date>-gpu-call")
+                   help="the folder for the results (default: bench/results/<date>-gpu-check)")
     args = gpu_wheels.one_line_errors(p).parse_args(argv)
     try:
         args.selected = gpu_table.selected(args.parts)
     except ValueError as exc:
         p.error(f"--parts: {exc}")
-    args.out = (args.out or Path(os.environ.get("OUT") or REPO / "bench" / "results" /
-                                 f"{time.strftime('%Y-%m-%d')}-gpu-call")).resolve()
+    args.out = (args.out or REPO / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-gpu-check").resolve()
     return args
 
 
@@ -266,7 +265,7 @@ def main(argv=None):
     started = time.monotonic()
     cuda, machine = device_facts(python)
     if not cuda:
-        print("error: no CUDA device here: the GPU call needs one (see its plan with --dry-run; on a CPU run the "
+        print("error: no CUDA device here: the GPU check needs one (see its plan with --dry-run; on a CPU run the "
               "suite: README, 'Tests')", file=sys.stderr)
         return 2
     call = Call(args.out, args.budget_s)

@@ -1,15 +1,15 @@
 """The GPU table: the project's comparisons on a GPU, measured within a time budget, the fine-tunes first.
 
-    bash bench/gpu_pack.sh --budget-s 540               # the whole GPU call: install, pack, then this (README)
-    python bench/gpu_table.py --budget-s 300            # the table alone (python bench/benchmark.py --gpu-table)
-    python bench/gpu_table.py --parts finetune-full finetune-lora --budget-s 200
-    python bench/gpu_table.py --dry-run --budget-s 330  # the plan: the parts in order, what the budget reaches
+    bash gpu_check/run.sh --budget-s 540                    # the whole GPU check: install, pack, then this (README)
+    python gpu_check/gpu_table.py --budget-s 300            # the table alone (python bench/benchmark.py --gpu-table)
+    python gpu_check/gpu_table.py --parts finetune-full finetune-lora --budget-s 200
+    python gpu_check/gpu_table.py --dry-run --budget-s 330  # the plan: the parts in order, what the budget reaches
 
 Owns the table's parts (PARTS: one bench/benchmark.py run each), the inputs they need made on the machine (striped
-images, the 1B Llama shape with the tests' tokenizer, uneven chat data: nothing is downloaded), the compile warm-ups,
-the budget, and what it writes: OUT/table.md (the parts side by side with the goals of the issues that asked for
-them), OUT/table.json (every row, every part's status) and OUT/failures.log (the end of each failed run's log), all
-three rewritten the moment each part ends. OUT is $OUT where set (a device call's folder that comes back), else
+images, the 1B Llama shape with accelrun.data.tiny_hf's tokenizer, uneven chat data: nothing is downloaded), the
+compile warm-ups, the budget, and what it writes: OUT/table.md (the parts side by side with the goals of the issues
+that asked for them), OUT/table.json (every row, every part's status) and OUT/failures.log (the end of each failed
+run's log), all three rewritten the moment each part ends. OUT is --out (the GPU check gives its own folder), else
 bench/results/<date>-<gpu>/; the parts' own reports, logs, runs and the inputs stay in .gpu/table/<date>-<gpu>/.
 
 How it runs (issue 42: the first contact spent 440 s on 3 of 5 parts, mostly in process start-up and compilation;
@@ -43,9 +43,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import benchmark
-from benchmark import REPO
-from gpu_wheels import one_line_errors
+from gpu_wheels import REPO, one_line_errors
+
+sys.path.insert(1, str(REPO / "bench"))  # bench/benchmark.py runs each part: this module imports it, not back
+import benchmark  # noqa: E402
 
 # The fine-tune parts' recipe arguments: the 1B shape and the chats written here, blocks of 1024, global batch 8
 # (issue "Fine-tune at H100 speed"). --packing / --no-packing: recipes/finetune_lm.py's flag (that issue, item 1).
@@ -279,7 +280,7 @@ def run_part(cmd, seconds_left, log_path, grace_s=None):
 
 
 def chat_conversations(n=CHATS, seed=0):
-    """Conversations in the tests' style (tests/helpers/tiny_hf.py) with uneven lengths, as chat data has: one to three
+    """Conversations in accelrun.data.tiny_hf's style with uneven lengths, as chat data has: one to three
     exchanges, each answer counting on from a number for 1 to 300 words drawn log-uniformly, so most are short
     and a few fill a 1024-token block (the longest are cut)."""
     rng = random.Random(seed)
@@ -301,8 +302,8 @@ def write_finetune_inputs(root, shape=LLAMA_1B, device="cuda"):
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    sys.path.insert(0, str(REPO / "tests" / "helpers"))
-    from tiny_hf import corpus, write_tokenizer  # the tests' byte-level BPE and chat template
+
+    from accelrun.data.tiny_hf import corpus, write_tokenizer  # the byte-level BPE and chat template the tests use
     llama, chats = root / "llama", root / "chats.jsonl"
     tokenizer = write_tokenizer(llama, [p + r for p, r in corpus()])
     if not (llama / "model.safetensors").exists():
@@ -334,8 +335,7 @@ def write_inputs(out, parts):
     inputs, facts = {}, {}
     needs = " ".join(arg for part in parts for arg in part.args)
     if "{images}" in needs:
-        sys.path.insert(0, str(REPO / "tests" / "helpers"))
-        from image_folder import write_image_folder  # the tests' striped-image classes
+        from accelrun.data.image_folder import write_image_folder  # the striped-image classes
         inputs["images"] = root / "images"
         if not (inputs["images"] / "train").exists():
             write_image_folder(inputs["images"], train_per_class=1024, val_per_class=128, size=32)
@@ -433,7 +433,7 @@ def markdown(reports, name, date, peak, progress):
     by, rows = table_rows(reports)
     lines = [f"# GPU table: {name}", "",
              f"Measured {date} on {hw.get('label', name)} ({hw.get('host', '?')}); torch {hw.get('torch')}, "
-             f"accelerate {hw.get('accelerate')}, DeepSpeed {hw.get('deepspeed')}. `python bench/gpu_table.py`: "
+             f"accelerate {hw.get('accelerate')}, DeepSpeed {hw.get('deepspeed')}. `python gpu_check/gpu_table.py`: "
              f"bf16, MFU against {peak:g} TFLOPS; each part's own report (results.md, logs) is in .gpu/table/ on the "
              "machine. The fine-tune runs' tokens/s and MFU count real tokens (not padding) and each example's "
              "attention span; padding: the share of positions that are padding.", "",
@@ -608,7 +608,7 @@ def gpu_table(args):
         return 2
     date, gpus = time.strftime("%Y-%m-%d"), torch.cuda.device_count()
     slug = f"{date}-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}"
-    out = Path(args.out or os.environ.get("OUT") or REPO / "bench" / "results" / slug).resolve()
+    out = Path(args.out or REPO / "bench" / "results" / slug).resolve()
     table = Table(out, (Path(args.work) / slug).resolve(), name, date, peak, gpus, parts)
     os.chdir(REPO)  # the parts' relative paths (mnist's data/) are the repository's, wherever this was started
     table.write()
@@ -651,8 +651,7 @@ def parse_args(argv=None):
     p.add_argument("--no-warm", action="store_true",
                    help="no compile warm-up; every compiled run compiles in its own measured run")
     p.add_argument("--out", default=None,
-                   help="where table.md, table.json and failures.log go (default: $OUT, else "
-                        "bench/results/<date>-<gpu>)")
+                   help="where table.md, table.json and failures.log go (default: bench/results/<date>-<gpu>)")
     p.add_argument("--work", default=str(WORK), help="the parts' reports, logs, runs and inputs")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     return one_line_errors(p).parse_args(argv)

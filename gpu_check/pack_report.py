@@ -1,6 +1,6 @@
-"""The GPU pack's record: a pytest plugin (`-p pack_report`, bench/ on PYTHONPATH) that appends each test's outcome
+"""The GPU pack's record: a pytest plugin (`-p pack_report`, gpu_check/ on PYTHONPATH) that appends each test's outcome
 to the JSON-lines file $GPU_PACK_RECORD the moment the test ends, and first the tests collected, so that a pack
-stopped at its time cap still says what passed, what failed and what was not reached (bench/gpu_call.py reads it).
+stopped at its time cap still says what passed, what failed and what was not reached (gpu_check/gpu_call.py reads it).
 Under pytest-xdist only the controller writes: the workers' reports reach it one by one.
 """
 

@@ -1,17 +1,19 @@
-"""The wheels that travel to a GPU machine in .gpu/w, built where pip works, and their offline install there.
+"""The wheels a GPU node without internet needs, built in .gpu/w where pip works, and their offline install there.
 
-    bash bench/gpu_pack.sh prepare                 # here, where pip reaches PyPI: builds .gpu/w (README, "On a GPU")
-    python3 bench/gpu_wheels.py install            # there (bench/gpu_call.py runs it first): no index, prebuilt only
+    bash gpu_check/run.sh prepare                  # on the login node (internet): builds .gpu/w (README, "On a GPU")
+    bash gpu_check/run.sh prepare --dry-run        # what it would build, and whether this Python can build it
+    python3 gpu_check/gpu_wheels.py install        # on the GPU node (gpu_check/gpu_call.py runs it first): no index
 
-Owns CARRY (what the GPU pack and table import that the machine's image lacks), the image's package list
-(bench/gpu_image.txt), the preparation and the install:
+Owns CARRY (what the GPU pack and table import that the GPU node's environment lacks), that environment's package
+list (gpu_check/gpu_image.txt), the preparation and the install:
   * prepare: each pinned distribution of CARRY downloaded as a wheel for CPython 3.12 on x86-64 Linux, DeepSpeed
     built here from its source package with no op prebuilt (its setup.py then needs no CUDA toolkit; the ops
     compile on first use, and the pack and the table use none), then the carried wheels' requirements followed:
-    each is carried (fetched at the version the requirement allows) or in the image (and met by its version where
-    the list gives one), or preparation stops naming it; pip checks that each wheel installs on the image's Python
-    (its tags); `import deepspeed` is tried with no compiler on PATH; the working tree with the wheels must stay
-    under what travels with it (64 MiB). .gpu/w is replaced only when every check passed;
+    each is carried (fetched at the version the requirement allows) or in the GPU node's list (and met by its
+    version where the list gives one), or preparation stops naming it; pip checks that each wheel installs on the
+    node's Python (its tags); `import deepspeed` is tried with no compiler on PATH, through this very interpreter
+    (a virtual environment's included). .gpu/w is replaced only when every check passed; it lies inside the tree,
+    so copying the tree to the GPU node takes it along;
   * install: one wheel per distribution of CARRY, else one line naming the missing one and exit 2; pip installs
     them with no index and no dependency resolution; then every module of IMPORTS is imported in a fresh
     interpreter, and one that fails is named in one line with the module it lacked (exit 2). Requirements the
@@ -34,8 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / ".gpu" / "w"
-IMAGE = REPO / "bench" / "gpu_image.txt"
-TRAVEL_LIMIT = 64 * 2**20  # the working tree, carried paths included, that a device call takes along
+IMAGE = REPO / "gpu_check" / "gpu_image.txt"
 # Distribution: the version carried ("": the one the requirement of another carried wheel picks). Pinned: the
 # versions the CPU suite runs with (requirements.txt), and bitsandbytes' release with CUDA 13 libraries.
 CARRY = {
@@ -62,7 +63,10 @@ TARGET = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.3", "sys_p
 # pip matches a manylinux tag's glibc version exactly: every one up to the image's (Ubuntu 24.04, glibc 2.39).
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
 IMPORT_MARK = "GPU-WHEELS-IMPORTS "
-TO_PREPARE = "run `bash bench/gpu_pack.sh prepare` where pip works, then carry .gpu/w (README, 'On a GPU')"
+TO_PREPARE = "run `bash gpu_check/run.sh prepare` where pip works, then copy .gpu/w here (README, 'On a GPU')"
+# What prepare needs of the Python that runs it: pip fetches, and DeepSpeed's setup.py imports torch and setuptools
+# (built with --no-build-isolation, against this torch).
+PREPARE_NEEDS = ("pip", "setuptools", "torch")
 
 
 class Refused(Exception):
@@ -102,7 +106,7 @@ def needed(requirements, environment=None):
 
 
 def read_image(path=IMAGE):
-    """{canonical name: version or ""} of bench/gpu_image.txt."""
+    """{canonical name: version or ""} of gpu_check/gpu_image.txt."""
     image = {}
     for line in Path(path).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
@@ -169,17 +173,21 @@ def fetch(name, spec, dest):
         pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dest), str(sdist), env={"DS_BUILD_OPS": "0"})
 
 
-def check_import_without_compiler(wheel):
-    """`import deepspeed` from the built wheel (the rest from this environment) with no compiler to be found and
-    the CUDA accelerator chosen, as on the GPU machine: it must import and build nothing."""
+def check_import_without_compiler(wheel, python=sys.executable):
+    """`import deepspeed` from the built wheel (the rest from `python`'s environment) with no compiler to be found and
+    the CUDA accelerator chosen, as on the GPU node: it must import and build nothing. `python` runs by its own path:
+    a virtual environment is found from the interpreter's location (its pyvenv.cfg), and a link to it from another
+    folder would run the bare base interpreter without the environment's packages (torch among them). PATH holds only
+    `python3`, a two-line script that runs the same interpreter by that path, for whatever the import starts."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         pip("install", "-q", "--no-deps", "--no-index", "--no-compile", "--target", str(tmp / "site"), str(wheel))
         (tmp / "bin").mkdir()
-        (tmp / "bin" / "python3").symlink_to(sys.executable)
+        (tmp / "bin" / "python3").write_text(f'#!/bin/sh\nexec "{python}" "$@"\n')
+        (tmp / "bin" / "python3").chmod(0o755)
         env = {"PATH": str(tmp / "bin"), "PYTHONPATH": str(tmp / "site"), "CC": "/nonexistent", "CXX": "/nonexistent",
                "DS_ACCELERATOR": "cuda", "TORCH_EXTENSIONS_DIR": str(tmp / "ext"), "HOME": str(tmp)}
-        proc = subprocess.run([str(tmp / "bin" / "python3"), "-c", "import deepspeed; print(deepspeed.__file__)"],
+        proc = subprocess.run([python, "-c", "import deepspeed; print(deepspeed.__file__)"],
                               capture_output=True, text=True, env=env, timeout=300)
         if proc.returncode or str(tmp / "site") not in proc.stdout:
             raise Refused(f"the built DeepSpeed wheel does not import without a compiler: "
@@ -188,16 +196,38 @@ def check_import_without_compiler(wheel):
             raise Refused("importing the built DeepSpeed wheel compiled an op: it must build nothing at import")
 
 
-def tree_bytes():
-    """The bytes of the working tree that a device call takes along: tracked and untracked-not-ignored files."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, check=True).stdout.split(b"\0")
-    return sum((REPO / os.fsdecode(p)).stat().st_size for p in listed if p and (REPO / os.fsdecode(p)).is_file())
+def prepare_problems(python=sys.executable):
+    """What this Python lacks to prepare (PREPARE_NEEDS), found in a fresh interpreter before anything is fetched:
+    [one line each]."""
+    probe = ("import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] "
+             "if importlib.util.find_spec(m) is None))")
+    proc = subprocess.run([python, "-c", probe, *PREPARE_NEEDS], capture_output=True, text=True, timeout=120)
+    missing = proc.stdout.split() if proc.returncode == 0 else list(PREPARE_NEEDS)
+    return [f"{python} has no {m}: prepare with the Python the project is installed in (README, 'Install'), "
+            f"or `{python} -m pip install {m}`" for m in missing]
+
+
+def prepare_plan(wheels=WHEELS, carry=None):
+    """The lines of `prepare --dry-run`: what would be built where, and whether this Python can; nothing fetched."""
+    carry = CARRY if carry is None else carry
+    pinned = [f"{n}=={v}{' (built here from its source package)' if n in BUILT_HERE else ''}"
+              for n, v in carry.items() if v]
+    followed = [n for n, v in carry.items() if not v]
+    problems = prepare_problems()
+    return ["prepare (dry run): nothing is fetched or built",
+            f"into {wheels}: wheels for CPython {PYTHON} on x86-64 Linux: {', '.join(pinned)}; then, at the versions "
+            f"their requirements pick: {', '.join(followed)}",
+            f"checked against {IMAGE.relative_to(REPO)} (what the GPU node's Python already has)",
+            *(f"not ready: {line}" for line in problems),
+            *([] if problems else [f"this Python ({sys.executable}) can build them"])]
 
 
 def prepare(wheels=WHEELS, carry=None, image_path=IMAGE):
     """Build `wheels` afresh (module docstring), in a sibling folder that replaces it once every check passed (and
     is removed if one fails); returns the report's lines. Raises Refused."""
+    problems = prepare_problems()
+    if problems:
+        raise Refused(problems[0])
     carry, image = CARRY if carry is None else carry, read_image(image_path)
     new = wheels.with_name(wheels.name + ".new")
     shutil.rmtree(new, ignore_errors=True)
@@ -205,10 +235,6 @@ def prepare(wheels=WHEELS, carry=None, image_path=IMAGE):
     try:
         count, unchecked = build(new, carry, image)
         size = sum(p.stat().st_size for p in new.glob("*.whl"))
-        tree = tree_bytes()  # .gpu/ is ignored: the wheels are not in it
-        if tree + size >= TRAVEL_LIMIT:
-            raise Refused(f"the wheels ({size / 2**20:.1f} MiB) and the working tree ({tree / 2**20:.1f} MiB) exceed "
-                          f"the {TRAVEL_LIMIT / 2**20:.0f} MiB a device call takes along: carry less")
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
@@ -216,8 +242,8 @@ def prepare(wheels=WHEELS, carry=None, image_path=IMAGE):
     new.rename(wheels)
     return [*(f"  {p.name}  {p.stat().st_size / 2**20:.2f} MiB" for p in sorted(wheels.glob("*.whl"))),
             f"{wheels.relative_to(REPO) if wheels.is_relative_to(REPO) else wheels}: {count} wheels, "
-            f"{size / 2**20:.1f} MiB; with the working tree ({tree / 2**20:.1f} MiB) {(tree + size) / 2**20:.1f} of "
-            f"the {TRAVEL_LIMIT / 2**20:.0f} MiB that travel", *(f"  unchecked here: {u}" for u in unchecked)]
+            f"{size / 2**20:.1f} MiB: copy it with the tree to the GPU node",
+            *(f"  unchecked here: {u}" for u in unchecked)]
 
 
 def build(new, carry, image):
@@ -306,7 +332,7 @@ def install(wheels=WHEELS, python=sys.executable, target=None, carry=None, impor
     if result["failed"]:
         module, error = next(iter(result["failed"].items()))
         lacking = re.search(r"No module named '([^'.]+)", error)
-        why = (f"this machine lacks {lacking.group(1)}: add its distribution to CARRY in bench/gpu_wheels.py, then "
+        why = (f"this machine lacks {lacking.group(1)}: add its distribution to CARRY in gpu_check/gpu_wheels.py, then "
                f"{TO_PREPARE}" if lacking else TO_PREPARE)
         more = ", ".join(m for m in result["failed"] if m != module)
         raise Refused(f"import {module} fails after the install ({error}){f', and so do {more}' if more else ''}: "
@@ -355,20 +381,22 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     prep = sub.add_parser("prepare", help="build .gpu/w here (pip reaches PyPI)")
-    prep.add_argument("--wheels", type=Path, default=WHEELS)
-    inst = sub.add_parser("install", help="install .gpu/w offline on the GPU machine and check every import")
-    inst.add_argument("--wheels", type=Path, default=WHEELS)
+    prep.add_argument("--wheels", type=Path, default=WHEELS, help="the folder to build (default: .gpu/w)")
+    prep.add_argument("--dry-run", action="store_true",
+                      help="say what would be built and whether this Python can build it; fetch nothing")
+    inst = sub.add_parser("install", help="install .gpu/w offline on the GPU node and check every import")
+    inst.add_argument("--wheels", type=Path, default=WHEELS, help="the prepared wheels (default: .gpu/w)")
     inst.add_argument("--target", type=Path, default=None, help="install into this folder (default: this Python)")
     check = sub.add_parser("check-imports", help=argparse.SUPPRESS)
-    check.add_argument("--carry", nargs="*", default=[])
-    check.add_argument("--modules", nargs="*", default=[])
+    check.add_argument("--carry", nargs="*", default=[], help="the distributions whose requirements are checked")
+    check.add_argument("--modules", nargs="*", default=[], help="the modules imported")
     one_line_errors(p, prep, inst, check)
     args = p.parse_args(argv)
     if args.what == "check-imports":
         return check_imports(args.modules, args.carry) or 0
     try:
         if args.what == "prepare":
-            print("\n".join(prepare(args.wheels.resolve())))
+            print("\n".join((prepare_plan if args.dry_run else prepare)(args.wheels.resolve())))
         else:
             for line in install(args.wheels, target=args.target):
                 print(f"warning: {line}", file=sys.stderr)

@@ -1,8 +1,11 @@
 """A tiny Hugging Face causal LM and its data, written in their real on-disk formats, for
 recipes/finetune_lm.py on machines that cannot download a model.
 
-    python tests/helpers/tiny_hf.py DIR     # DIR/model (Llama, save_pretrained + tokenizer), DIR/*.jsonl, DIR/text.txt
-    python tests/helpers/tiny_hf.py --help  # what it writes; DIR defaults to ./tiny_hf
+    python -m accelrun.data.tiny_hf DIR     # DIR/model (Llama, save_pretrained + tokenizer), DIR/*.jsonl, DIR/text.txt
+    python -m accelrun.data.tiny_hf --help  # what it writes; DIR defaults to ./tiny_hf
+
+It is a data generator, not a recipe: it makes no distributed calls. transformers and tokenizers (accelrun's
+[finetune] extra, requirements.txt) are imported only when a model is written: --help needs neither.
 
 The model is a Llama of 2 layers and width 32 with random weights, saved with save_pretrained
 (config.json, model.safetensors). Its tokenizer is a byte-level BPE trained here on the text,
@@ -10,9 +13,7 @@ saved as tokenizer.json with a Llama-like <s> ... </s> template, and a chat temp
 assistant turns are marked with {% generation %} (chat_template.jinja). pairs.jsonl holds
 prompt/response records (arithmetic questions and their answers); text.txt plain text; chat.jsonl
 conversations of the same questions (a `messages` column); uneven.jsonl pairs whose responses run
-from 1 to 30 words. with_chat_template() copies the model with another chat template, or none;
-planted_copy() copies it with one problem planted (a weight file that runs code, a header or a
-config.json that lies, custom code, a template that raises or runs on), for the tests.
+from 1 to 30 words. with_chat_template() copies the model with another chat template, or none.
 """
 
 import argparse
@@ -92,54 +93,6 @@ def with_chat_template(model_dir, copy_dir, template):
     return copy_dir
 
 
-# What tests plant into a copy of the model directory (planted_copy): each a model-directory problem that must end
-# in one line before anything loads, and nothing of the directory's runs (issue 46, item 4).
-SLOW_TEMPLATE = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{{ bos_token }}"
-RAISING_TEMPLATE = "{{ raise_exception('this template refuses every conversation') }}"
-
-
-class _RunsCode:
-    """A pickled object that would call print when unpickled: what weights-only loading refuses."""
-
-    def __reduce__(self):
-        return print, ("PLANTED: code from a weight file ran",)
-
-
-def planted_copy(model_dir, copy_dir, problem, marker=None):
-    """A copy of the model directory with one problem planted: "pickle" (pytorch_model.bin with a pickle that runs
-    code, no safetensors), "header" (model.safetensors whose header claims 2**62 bytes), "vocab" (config.json with
-    vocab_size 10**9), "remote-code" (tokenizer_config.json's auto_map names its evil.py, which writes `marker`),
-    "slow-template" or "raising-template" (chat_template.jinja). Returns the copy."""
-    import struct
-
-    copy_dir = Path(copy_dir)
-    if problem in ("slow-template", "raising-template"):
-        return with_chat_template(model_dir, copy_dir, SLOW_TEMPLATE if problem == "slow-template"
-                                  else RAISING_TEMPLATE)
-    shutil.copytree(model_dir, copy_dir)
-    weights = copy_dir / "model.safetensors"
-    if problem == "pickle":
-        import torch
-        from safetensors.torch import load_file
-        torch.save({**load_file(weights), "planted": _RunsCode()}, copy_dir / "pytorch_model.bin")
-        weights.unlink()
-    elif problem == "header":
-        weights.write_bytes(struct.pack("<Q", 2 ** 62) + weights.read_bytes()[8:])
-    elif problem == "vocab":
-        config = json.loads((copy_dir / "config.json").read_text())
-        (copy_dir / "config.json").write_text(json.dumps({**config, "vocab_size": 10 ** 9}))
-    elif problem == "remote-code":
-        tokenizer_config = json.loads((copy_dir / "tokenizer_config.json").read_text())
-        tokenizer_config.update(auto_map={"AutoTokenizer": ["evil.EvilTokenizer", None]},
-                                tokenizer_class="EvilTokenizer")
-        (copy_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-        (copy_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
-                                          "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n")
-    else:
-        raise ValueError(problem)
-    return copy_dir
-
-
 def conversations(n=200, seed=0):
     """Chats built from corpus(): a system turn in one of three, then one to three question/answer exchanges."""
     rng = random.Random(seed)
@@ -186,6 +139,7 @@ def write_all(root, with_pad=True):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
+        prog="python -m accelrun.data.tiny_hf",
         description="Write a tiny Hugging Face Llama (random weights, a byte-level BPE tokenizer with a chat template) "
         "and its data (pairs.jsonl, chat.jsonl, uneven.jsonl, text.txt) into DIR, for recipes/finetune_lm.py on a "
         "machine that cannot download a model.", allow_abbrev=False,
@@ -195,5 +149,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def main(argv=None):
+    print(write_all(parse_args(argv).dir))
+
+
 if __name__ == "__main__":
-    print(write_all(parse_args().dir))
+    main()
