@@ -11,10 +11,12 @@ and a dry run of the one command with CUDA absent. Quick: no recipe is launched.
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+import venv
 import zipfile
 from pathlib import Path
 
@@ -28,6 +30,11 @@ import gpu_table  # noqa: E402
 import gpu_wheels  # noqa: E402
 
 NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def without_pythonpath():
+    """This environment without PYTHONPATH: what a Python finds is then its own (its venv's, its site-packages)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def fake_wheel(folder, name, code, requires=()):
@@ -305,15 +312,63 @@ def test_one_command_dry_run_without_cuda_shows_the_plan_the_budget_and_the_orde
 
 
 def test_the_install_makes_this_trees_accelrun_importable(tmp_path):
-    """On the GPU machine the recipes import accelrun from the working tree that travelled: the install writes a .pth
-    naming its src/ into the Python's site-packages (no build, no index), and `import accelrun` then finds this tree's
-    package (a bare Python, without it, does not)."""
-    import subprocess
-    import venv
+    """On the GPU node the recipes import accelrun from the tree copied there: the install writes a .pth naming its
+    src/ into the Python's site-packages (no build, no index), and `import accelrun` then finds this tree's package
+    (a bare Python, without it, does not). PYTHONPATH is cleared: one naming a src/ would answer for the .pth."""
     venv.EnvBuilder(with_pip=False).create(tmp_path / "py")
     python = str(tmp_path / "py" / "bin" / "python")
     probe = [python, "-c", "import accelrun; print(accelrun.__file__)"]
-    assert subprocess.run(probe, capture_output=True, text=True, cwd=tmp_path).returncode == 1
+    env = without_pythonpath()
+    assert subprocess.run(probe, capture_output=True, text=True, cwd=tmp_path, env=env).returncode == 1
     gpu_wheels.tree_importable(python)
-    found = subprocess.run(probe, capture_output=True, text=True, cwd=tmp_path)
+    found = subprocess.run(probe, capture_output=True, text=True, cwd=tmp_path, env=env)
     assert found.stdout.strip() == str(gpu_wheels.REPO / "src" / "accelrun" / "__init__.py"), found.stderr
+
+
+# ---- prepare, where pip works ----------------------------------------------------------------------------------
+def test_prepare_checks_the_deepspeed_import_inside_a_virtual_environment(tmp_path):
+    """Issue 53, item 4: `prepare` in a virtual environment (the README's install) refused its own DeepSpeed wheel
+    with "No module named 'torch'": the no-compiler import check ran a link to the interpreter from another folder,
+    which runs the base interpreter without the environment. Here a real venv (with the system's packages, as the
+    README's is not, so that only what the venv itself holds tells the two apart) holds a module of its own, and a
+    stand-in DeepSpeed wheel imports it as the real one imports torch: the check, run by that venv's Python, passes."""
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(tmp_path / "venv")
+    python = str(tmp_path / "venv" / "bin" / "python")
+    env = without_pythonpath()
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env,
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "gpucheck_venv_only.py").write_text("VALUE = 1\n")
+    wheel = fake_wheel(tmp_path, "deepspeed", "import gpucheck_venv_only  # as DeepSpeed imports the venv's torch\n")
+    check = ("import pathlib, sys; sys.path.insert(0, sys.argv[1]); import gpu_wheels; "
+             "gpu_wheels.check_import_without_compiler(pathlib.Path(sys.argv[2])); print('imported')")
+    result = subprocess.run([python, "-c", check, str(REPO / "gpu_check"), str(wheel)], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout == "imported\n", result.stderr[-2000:]
+    # the check still refuses a wheel that does not import there, in one line
+    (tmp_path / "b").mkdir()
+    broken = fake_wheel(tmp_path / "b", "deepspeed", "import gpucheck_nowhere\n")
+    result = subprocess.run([python, "-c", check, str(REPO / "gpu_check"), str(broken)], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and ("Refused: the built DeepSpeed wheel does not import without a compiler: "
+                                       "ModuleNotFoundError: No module named 'gpucheck_nowhere'") in result.stderr
+
+
+def test_the_mode_word_reaches_its_branch():
+    """`bash gpu_check/run.sh prepare ...` hands `prepare`'s own flags to gpu_wheels.py prepare (a dry run here:
+    what it would build, and whether this Python can; nothing fetched), and `table ...` to gpu_call.py --only table:
+    a run.sh that dropped its mode word, or sent it down another branch, answers neither."""
+    import importlib.util
+    code, output = run_command(["bash", "gpu_check/run.sh", "prepare", "--dry-run"], env={"PYTHON": sys.executable},
+                               timeout=120)
+    lines = output.strip().splitlines()
+    assert code == 0 and lines[0] == "prepare (dry run): nothing is fetched or built", output
+    assert lines[1].startswith(f"into {gpu_wheels.WHEELS}: wheels for CPython {gpu_wheels.PYTHON} on x86-64 Linux: "
+                               "deepspeed==0.19.8 (built here from its source package), "), lines
+    lacking = [m for m in gpu_wheels.PREPARE_NEEDS if importlib.util.find_spec(m) is None]
+    assert lines[3:] == ([f"not ready: {sys.executable} has no {m}: prepare with the Python the project is installed "
+                          f"in (README, 'Install'), or `{sys.executable} -m pip install {m}`" for m in lacking]
+                         or [f"this Python ({sys.executable}) can build them"]), lines
+    code, output = run_command(["bash", "gpu_check/run.sh", "table", "--dry-run", "--budget-s", "300"], env=NO_CUDA,
+                               timeout=120)
+    split = gpu_call.split_budget(300, gpu_call.INSTALL_EXPECTED_S, only="table")
+    assert code == 0 and "2. pack (left out)" in output and f"3. table ({split['table']:.0f} s and" in output, output
