@@ -94,7 +94,7 @@ PARTS = [
          "default, the loss in 8 chunks", 35, first=True),
     Part("finetune-qlora", ("--recipe", "finetune_lm", "--configs", EAGER, "--steps", "20",
                             "--recipe-args", f"{FINETUNE} {LORA} --load-in-4bit --packing"),
-         "LoRA r 16 on the 4-bit (NF4) base (bitsandbytes, carried in .gpu/w): peak memory and tokens/s against "
+         "LoRA r 16 on the 4-bit (NF4) base (bitsandbytes, from .gpu/w): peak memory and tokens/s against "
          "finetune-lora's eager run", 45, first=True),
     Part("gpt", ("--recipe", "gpt", "--preset", "124M", "--configs", *FULL, "--steps", "60"),
          "GPT-124M: throughput, MFU, recipe / lean loop (goal compiled), compile speed-up", 70, 70, 12),

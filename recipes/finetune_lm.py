@@ -9,7 +9,7 @@
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/finetune_lm.py --model ./my-llama-70b \\
         --data-files chat.jsonl --lora-r 16 --lr 2e-4 --load-in-4bit --gradient-checkpointing --block-size 8192 \\
         --batch-size 2   # QLoRA
-    python tests/helpers/tiny_hf.py /tmp/tiny && OMP_NUM_THREADS=1 python recipes/finetune_lm.py \\
+    python -m accelrun.data.tiny_hf /tmp/tiny && OMP_NUM_THREADS=1 python recipes/finetune_lm.py \\
         --model /tmp/tiny/model --data-files /tmp/tiny/pairs.jsonl --block-size 32 --max-steps 300 --batch-size 16 \\
         --lr 3e-3 --output-dir runs/tiny-pairs   # CPU
     OMP_NUM_THREADS=1 python recipes/finetune_lm.py --model /tmp/tiny/model --data-files /tmp/tiny/chat.jsonl \\

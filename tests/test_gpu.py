@@ -13,11 +13,11 @@ Each launch checks what only a GPU shows:
     Not under DeepSpeed: its optimizer step reads the gradient norm and the overflow flag on the host
     (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py: .item(), synchronize()), by its design. Not in
     linear_regression.py either: the lab logs its line's m and n at every step.
-The runs are launched here, not through the CPU route. `bash bench/gpu_pack.sh` runs this file alone as the second
-phase of one device call (bench/gpu_call.py): on 8 pytest workers that share the GPU (pytest-xdist; each worker
-writes its own gpu_data), every launch small enough for eight at once, a test's time mostly process start-up and
-compilation, which the cores share. The call caps the pack and sizes each launch's cap to it ($GPU_PACK_LAUNCH_S;
-420 s when unset): a hung launch fails its own test, and the rest of the pack goes on.
+The runs are launched here, not through the CPU route. `bash gpu_check/run.sh` runs this file alone as the second
+phase of the one-command GPU check (gpu_check/gpu_call.py): on 8 pytest workers that share the GPU (pytest-xdist;
+each worker writes its own gpu_data), every launch small enough for eight at once, a test's time mostly process
+start-up and compilation, which the cores share. The check caps the pack and sizes each launch's cap to it
+($GPU_PACK_LAUNCH_S; 420 s when unset): a hung launch fails its own test, and the rest of the pack goes on.
 """
 
 import json
@@ -41,7 +41,7 @@ ONE_PROCESS = ["1gpu.yaml", "1gpu_compile.yaml"]
 ENGINES = ["fsdp.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"]
 TWO_PROCESS = ["2gpu.yaml", "2gpu_compile.yaml", *ENGINES]
 RECIPES = ["mnist", "gpt", "resnet", "finetune_lm", "linear_regression"]
-LAUNCH_S = float(os.environ.get("GPU_PACK_LAUNCH_S") or 420)  # one launch's cap: bench/gpu_call.py sizes it
+LAUNCH_S = float(os.environ.get("GPU_PACK_LAUNCH_S") or 420)  # one launch's cap: gpu_check/gpu_call.py sizes it
 
 
 @pytest.fixture(scope="session")
