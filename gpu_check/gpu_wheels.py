@@ -64,9 +64,21 @@ TARGET = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.3", "sys_p
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
 IMPORT_MARK = "GPU-WHEELS-IMPORTS "
 TO_PREPARE = "run `bash gpu_check/run.sh prepare` where pip works, then copy .gpu/w here (README, 'On a GPU')"
-# What prepare needs of the Python that runs it: pip fetches, and DeepSpeed's setup.py imports torch and setuptools
-# (built with --no-build-isolation, against this torch).
-PREPARE_NEEDS = ("pip", "setuptools", "torch")
+# What prepare needs of the Python that runs it, {module: what to install}: pip fetches, and DeepSpeed's setup.py
+# imports torch and setuptools (built with --no-build-isolation, against this torch); setuptools before 70.1 builds
+# no wheel without the `wheel` package ("invalid command 'bdist_wheel'").
+PREPARE_NEEDS = {"pip": "pip", "setuptools": "setuptools>=70.1", "torch": "torch"}
+PREPARE_PROBE = '''
+import importlib.util, sys
+from importlib import metadata
+def lacks(module):
+    if importlib.util.find_spec(module) is None:
+        return True
+    if module == "setuptools" and importlib.util.find_spec("wheel") is None:
+        return tuple(int(x) for x in metadata.version("setuptools").split(".")[:2]) < (70, 1)
+    return False
+print(" ".join(m for m in sys.argv[1:] if lacks(m)))
+'''
 
 
 class Refused(Exception):
@@ -199,12 +211,10 @@ def check_import_without_compiler(wheel, python=sys.executable):
 def prepare_problems(python=sys.executable):
     """What this Python lacks to prepare (PREPARE_NEEDS), found in a fresh interpreter before anything is fetched:
     [one line each]."""
-    probe = ("import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] "
-             "if importlib.util.find_spec(m) is None))")
-    proc = subprocess.run([python, "-c", probe, *PREPARE_NEEDS], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([python, "-c", PREPARE_PROBE, *PREPARE_NEEDS], capture_output=True, text=True, timeout=120)
     missing = proc.stdout.split() if proc.returncode == 0 else list(PREPARE_NEEDS)
-    return [f"{python} has no {m}: prepare with the Python the project is installed in (README, 'Install'), "
-            f"or `{python} -m pip install {m}`" for m in missing]
+    return [f"{python} has no {PREPARE_NEEDS[m]}: prepare with the Python the project is installed in (README, "
+            f"'Install'), after `{python} -m pip install '{PREPARE_NEEDS[m]}'`" for m in missing]
 
 
 def prepare_plan(wheels=WHEELS, carry=None):

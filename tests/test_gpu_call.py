@@ -353,20 +353,37 @@ def test_prepare_checks_the_deepspeed_import_inside_a_virtual_environment(tmp_pa
                                        "ModuleNotFoundError: No module named 'gpucheck_nowhere'") in result.stderr
 
 
+def test_prepare_names_what_its_python_lacks_before_fetching(tmp_path):
+    """A Python without pip, setuptools or torch (a bare venv) cannot build the DeepSpeed wheel: prepare says so in one
+    line each, naming what to install, before anything is downloaded; a venv holding only an old setuptools (no
+    bdist_wheel without the `wheel` package) is named too."""
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "bare")
+    python = str(tmp_path / "bare" / "bin" / "python")
+    assert [line.split(":")[0] for line in gpu_wheels.prepare_problems(python)] == [
+        f"{python} has no pip", f"{python} has no setuptools>=70.1", f"{python} has no torch"]
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          env=without_pythonpath(), capture_output=True, text=True, check=True).stdout.strip()
+    for name, version in (("setuptools", "65.5.0"), ("pip", "24.0"), ("torch", "2.11.0")):  # found, versioned
+        (Path(site) / name).mkdir()
+        (Path(site) / name / "__init__.py").write_text("")
+        (Path(site) / f"{name}-{version}.dist-info").mkdir()
+        (Path(site) / f"{name}-{version}.dist-info" / "METADATA").write_text(f"Name: {name}\nVersion: {version}\n")
+    assert gpu_wheels.prepare_problems(python) == [
+        f"{python} has no setuptools>=70.1: prepare with the Python the project is installed in (README, 'Install'), "
+        f"after `{python} -m pip install 'setuptools>=70.1'`"]
+
+
 def test_the_mode_word_reaches_its_branch():
     """`bash gpu_check/run.sh prepare ...` hands `prepare`'s own flags to gpu_wheels.py prepare (a dry run here:
     what it would build, and whether this Python can; nothing fetched), and `table ...` to gpu_call.py --only table:
     a run.sh that dropped its mode word, or sent it down another branch, answers neither."""
-    import importlib.util
     code, output = run_command(["bash", "gpu_check/run.sh", "prepare", "--dry-run"], env={"PYTHON": sys.executable},
                                timeout=120)
     lines = output.strip().splitlines()
     assert code == 0 and lines[0] == "prepare (dry run): nothing is fetched or built", output
     assert lines[1].startswith(f"into {gpu_wheels.WHEELS}: wheels for CPython {gpu_wheels.PYTHON} on x86-64 Linux: "
                                "deepspeed==0.19.8 (built here from its source package), "), lines
-    lacking = [m for m in gpu_wheels.PREPARE_NEEDS if importlib.util.find_spec(m) is None]
-    assert lines[3:] == ([f"not ready: {sys.executable} has no {m}: prepare with the Python the project is installed "
-                          f"in (README, 'Install'), or `{sys.executable} -m pip install {m}`" for m in lacking]
+    assert lines[3:] == ([f"not ready: {line}" for line in gpu_wheels.prepare_problems(sys.executable)]
                          or [f"this Python ({sys.executable}) can build them"]), lines
     code, output = run_command(["bash", "gpu_check/run.sh", "table", "--dry-run", "--budget-s", "300"], env=NO_CUDA,
                                timeout=120)
