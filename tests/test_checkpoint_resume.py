@@ -185,7 +185,6 @@ def test_fsdp_resumes_on_another_world_size_and_grad_accum(shelf, shelf_data, tm
 
 def rng_state(checkpoint, rank):
     """accelerate's RNG state of one rank in a checkpoint, read as the resume reads it (weights only)."""
-    sys.path.insert(0, str(REPO / "recipes"))
     from accelrun.checkpoint.safe_loading import weights_only_loading
     with weights_only_loading():
         return torch.load(checkpoint / f"random_states_{rank}.pkl")

@@ -7,16 +7,12 @@ The run that shows the line as the recipe prints it: test_finetune_lm.py's test_
 Also LoRA's base: the fingerprint that tells one model's weights from another's (issue 41, item 2).
 """
 
-import sys
 
 import pytest
 
-from launching import REPO
+from accelrun.finetune.pretrained import load_config_and_tokenizer
+from accelrun.finetune.weights import WeightsProblem, check_base, fingerprint, record_base
 from tiny_hf import planted_copy, write_all, write_model, write_tokenizer
-
-sys.path.insert(0, str(REPO / "recipes"))
-from accelrun.finetune.pretrained import load_config_and_tokenizer  # noqa: E402
-from accelrun.finetune.weights import WeightsProblem, check_base, fingerprint, record_base  # noqa: E402
 
 
 @pytest.fixture(scope="module")
