@@ -26,7 +26,6 @@ from launching import (
     CPU_SHIM,
     FP32,
     LORA,
-    REPO,
     TEST_SIZE,
     TRAIN_SIZE,
     TRAINING,
@@ -157,7 +156,6 @@ def pytest_terminal_summary(terminalreporter, config):
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
     """Synthetic digits generated once for the whole session, in MNIST's idx format."""
-    sys.path.insert(0, str(REPO / "recipes"))
     from accelrun.data.synthetic_mnist import write_synthetic_mnist
     root = tmp_path_factory.mktemp("data")
     write_synthetic_mnist(root / f"synthetic-{TRAIN_SIZE}-{TEST_SIZE}", TRAIN_SIZE, TEST_SIZE, seed=0)

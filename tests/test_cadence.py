@@ -1,12 +1,7 @@
 """When a run evaluates and when it saves (accelrun/cadence.py), in-process: the rules as pure functions, in
 milliseconds. The launches that hold them end to end: test_contract.py's checkpoint cadence, the resume tests."""
 
-import sys
-
-from launching import REPO
-
-sys.path.insert(0, str(REPO / "recipes"))
-from accelrun.cadence import Cadence, Progress  # noqa: E402
+from accelrun.cadence import Cadence, Progress
 
 
 def walk(cadence, stop_after=None):

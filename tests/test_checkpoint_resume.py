@@ -185,7 +185,6 @@ def test_fsdp_resumes_on_another_world_size_and_grad_accum(shelf, shelf_data, tm
 
 def rng_state(checkpoint, rank):
     """accelerate's RNG state of one rank in a checkpoint, read as the resume reads it (weights only)."""
-    sys.path.insert(0, str(REPO / "recipes"))
     from accelrun.checkpoint.safe_loading import weights_only_loading
     with weights_only_loading():
         return torch.load(checkpoint / f"random_states_{rank}.pkl")
@@ -224,6 +223,9 @@ def test_zero_resumes_on_another_world_size_through_the_universal_checkpoint(she
     # file it holds with checksums that match, and the checkpoint it came from.
     derived = written_by_2 / "universal"
     assert f"converted {written_by_2}'s ZeRO state to DeepSpeed's universal checkpoint in {derived}" in one.output
+    # That line alone: DeepSpeed's converter printed its banner, steps and bars into the log (issue 53, item 9).
+    for noise in ("Converting DeepSpeed checkpoint", "Extracting ZeRO fragments", "No AutoEP", "/proc/", "it/s]"):
+        assert noise not in one.output, (noise, one.output[-3000:])
     converted = json.loads((derived / "checkpoint.json").read_text())
     on_disk = sorted(str(p.relative_to(derived)) for p in derived.rglob("*") if p.is_file())
     assert sorted(converted["files"]) == [rel for rel in on_disk if rel != "checkpoint.json"]

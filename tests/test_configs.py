@@ -73,8 +73,6 @@ def test_each_deepspeed_json_has_its_fp32_twin(name):
 
 def test_the_first_line_says_where_deepspeeds_precision_comes_from():
     """Issue 41, item 5: under DeepSpeed in bf16 the first line names the JSON that set it, and the fp32 twin."""
-    import sys
-    sys.path.insert(0, str(REPO / "recipes"))
     from accelrun.engines import precision_source
     env = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "accelerate_configs/deepspeed_zero2.json"}
     cwd = os.getcwd()

@@ -3,7 +3,9 @@ one working directory, a recipe copied alone into an empty directory. The quick 
 read the sources or start an interpreter for its --help, are test_source.py."""
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -93,15 +95,39 @@ def test_checkpoint_cadence_and_an_output_dir_per_config(data_dir, tmp_path):
     assert digest(alone / "metrics.jsonl") == continued and digest(pair / "summary.json") == two_steps
 
 
+def install_from_this_tree(site):
+    """accelrun as a user installs it: built from this tree's pyproject.toml and src/ (a copy of the two and the README
+    it names, so the build leaves nothing in the checkout) and installed into `site`, without dependencies (they are
+    installed already), build isolation or a package index: offline, in seconds."""
+    tree = site.parent / "tree"
+    tree.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, tree / name)
+    shutil.copytree(REPO / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                          "--no-compile", "--disable-pip-version-check", "-q", "--target", str(site), str(tree)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+
+
 @pytest.mark.slow
 def test_a_recipe_copied_alone_runs(data_dir, tmp_path):
-    """Issue 43: mnist.py copied alone into an empty directory runs there to its summary, with nothing beside it but
-    installed packages (its helpers are accelrun's: accelrun.data, accelrun.Run)."""
+    """Issues 43 and 53: mnist.py copied alone into an empty directory runs there to its summary, with nothing beside
+    it but installed packages (its helpers are accelrun's: accelrun.data, accelrun.Run), and accelrun the one
+    pyproject.toml installs, not this checkout's src/ (a broken pyproject.toml fails here)."""
+    site = tmp_path / "site"
+    install_from_this_tree(site)
     alone = tmp_path / "elsewhere"
     alone.mkdir()
     shutil.copy(REPO / "recipes" / "mnist.py", alone / "mnist.py")
-    code, output = run_command([sys.executable, "mnist.py", "--data", "synthetic", "--data-dir", str(data_dir),
-                                *DATA_ARGS, "--epochs", "1", "--batch-size", "500"], cwd=alone)
-    assert code == 0, output[-3000:]
+    # Not launching.launch_environment, which puts this checkout's src/ first: the installed package alone.
+    env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    where = subprocess.run([sys.executable, "-c", "import accelrun; print(accelrun.__file__)"], cwd=alone, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert where.stdout.strip() == str(site / "accelrun" / "__init__.py"), (where.stdout, where.stderr)
+    run = subprocess.run([sys.executable, "mnist.py", "--data", "synthetic", "--data-dir", str(data_dir), *DATA_ARGS,
+                          "--epochs", "1", "--batch-size", "500"], cwd=alone, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:]
     assert json.loads((alone / "runs" / "mnist" / "1proc" / "summary.json").read_text())["steps"] == 4
     assert sorted(p.name for p in alone.iterdir()) == ["mnist.py", "runs"]

@@ -13,10 +13,8 @@ import socket
 import subprocess
 import sys
 
+from accelrun.checkpoint import lock as dirlock
 from launching import REPO
-
-sys.path.insert(0, str(REPO / "recipes"))
-from accelrun.checkpoint import lock as dirlock  # noqa: E402
 
 
 def test_directory_lock(tmp_path, capsys):
@@ -124,7 +122,7 @@ def test_a_zombie_holds_no_lock(tmp_path, capsys):
 def test_the_lock_and_its_names_import_without_torch():
     """layout, owners, untrusted and lock are the standard library only: the stop command (accelrun/stop.py) runs
     without torch or accelerate."""
-    probe = ("import sys; sys.path.insert(0, 'recipes')\n"
+    probe = ("import sys; sys.path.insert(0, 'src')\n"
              "import accelrun.checkpoint.layout, accelrun.checkpoint.owners, accelrun.checkpoint.untrusted\n"
              "import accelrun.checkpoint.lock, accelrun.stop\n"
              "assert not {'torch', 'accelerate', 'numpy'} & set(sys.modules), sorted(sys.modules)")

@@ -1,8 +1,8 @@
 """The documentation holds together: README stays a front page, its links resolve, every
 summary.json key the recipes write is defined in docs/measuring.md, each measured result is stated
-once (docs/recipes.md, with the docstrings' one-line Result), and what a new user tripped on stays
-fixed (set-up before the commands, where bf16 on a CPU is fast, ignored run outputs, requirements'
-comments). Quick: reads files only."""
+once (docs/recipes.md, with the docstrings' one-line Result), the code a page cites is where it says, and what a
+new user tripped on stays fixed (set-up before the commands, where bf16 on a CPU is fast, ignored run outputs,
+requirements' comments). Quick: reads files only."""
 
 import ast
 import re
@@ -150,6 +150,59 @@ def test_every_summary_key_is_defined_in_measuring():
     section = match.group(1)
     missing = [key for key in SUMMARY_KEYS if f"`{key}`" not in section]
     assert not missing, f'not defined under "Summary fields" in docs/measuring.md: {missing}'
+
+
+# A module of the package a page cites (`src/accelrun/checkpoint/rules.py`, or accelrun/exits.py in prose), and the
+# names a citation gives it: "`src/accelrun/X.py`: `a`, `b`" or "`src/accelrun/X.py`, `a`".
+CITED_MODULE = re.compile(r"\b(?:src/)?accelrun/([A-Za-z0-9_/]+\.py)\b")
+CITED_NAMES = re.compile(r"`src/accelrun/([A-Za-z0-9_/]+\.py)`[:,] ((?:`[A-Za-z_]\w*`(?:, )?)+)")
+# Fields only the code that builds summary.json spells out, all together.
+SUMMARY_BUILT = {"recipe", "steps", "epochs", "first_loss", "final_loss", "wall_time_s", "args"}
+
+
+def top_level_names(module):
+    """The functions, classes and assigned names a module of the package defines at its top level."""
+    names = set()
+    for node in ast.parse(module.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_the_code_the_docs_cite_is_where_they_say():
+    """Issue 53, item 6: every module of accelrun a page names exists, and a name it gives a module (a function, a
+    class, a constant) is defined there, so a page cannot point at a module that was split, renamed or never held it."""
+    problems = []
+    for path in markdown_files():
+        text = path.read_text(encoding="utf-8")
+        for rel in sorted(set(CITED_MODULE.findall(text))):
+            if not (REPO / "src" / "accelrun" / rel).is_file():
+                problems.append(f"{path.relative_to(REPO)}: accelrun/{rel} does not exist")
+        for rel, names in CITED_NAMES.findall(text):
+            module = REPO / "src" / "accelrun" / rel
+            defined = top_level_names(module) if module.is_file() else set()
+            missing = [n for n in re.findall(r"`(\w+)`", names) if module.is_file() and n not in defined]
+            problems += [f"{path.relative_to(REPO)}: src/accelrun/{rel} defines no {n}" for n in missing]
+    assert not problems, "\n".join(problems)
+
+
+def test_measuring_names_the_module_that_writes_the_summary():
+    """Issue 53, item 6: docs/measuring.md's "Summary fields" says which module builds and writes summary.json (it
+    said run.py, while reporting.py does both): the modules its opening names hold the dict of the summary's
+    fields and the write of summary.json."""
+    opening = section((DOCS / "measuring.md").read_text(encoding="utf-8"), "Summary fields").strip().split("\n\n")[0]
+    cited = [REPO / "src" / "accelrun" / rel for rel in CITED_MODULE.findall(opening)]
+    assert cited, f'"Summary fields" names no module of accelrun: {opening!r}'
+    trees = [ast.parse(module.read_text(encoding="utf-8")) for module in cited if module.is_file()]
+    nodes = [node for tree in trees for node in ast.walk(tree)]
+    builds = any(isinstance(node, ast.Dict) and SUMMARY_BUILT <= {k.value for k in node.keys
+                                                                   if isinstance(k, ast.Constant)} for node in nodes)
+    writes = any(isinstance(node, ast.Constant) and node.value == "summary.json" for node in nodes)
+    assert builds and writes, (f"{[str(m.relative_to(REPO)) for m in cited]}: builds the summary's fields {builds}, "
+                               f"writes summary.json {writes}")
 
 
 def recipe_results():

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from accelrun.checkpoint import safe_loading
+from accelrun.checkpoint.resharding import NAME_SHOWN
 from checkpoint_checks import check_loadable
 from in_process import run_main
 from launching import (
@@ -41,10 +43,6 @@ from launching import (
 )
 from run_checks import assert_refused
 from tampering import deflated
-
-sys.path.insert(0, str(REPO / "recipes"))
-from accelrun.checkpoint import safe_loading  # noqa: E402
-from accelrun.checkpoint.resharding import NAME_SHOWN  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -14,25 +14,21 @@ import json
 import os
 import pickle
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from accelrun.checkpoint import safe_loading
+from accelrun.checkpoint.files import coverage, my_share
+from accelrun.checkpoint.formats import files_problem
+from accelrun.checkpoint.held import HeldCheckpoint
+from accelrun.checkpoint.layout import FORMAT_VERSION
+from accelrun.checkpoint.manifest import read_manifest, state_problem, write_manifest
+from accelrun.checkpoint.untrusted import RefusedFile, open_regular
 from checkpoint_checks import check_files, check_loadable
-from launching import REPO
 from tampering import deflated
-
-sys.path.insert(0, str(REPO / "recipes"))
-from accelrun.checkpoint import safe_loading  # noqa: E402
-from accelrun.checkpoint.files import coverage, my_share  # noqa: E402
-from accelrun.checkpoint.formats import files_problem  # noqa: E402
-from accelrun.checkpoint.held import HeldCheckpoint  # noqa: E402
-from accelrun.checkpoint.layout import FORMAT_VERSION  # noqa: E402
-from accelrun.checkpoint.manifest import read_manifest, state_problem, write_manifest  # noqa: E402
-from accelrun.checkpoint.untrusted import RefusedFile, open_regular  # noqa: E402
 
 
 class RunsCode:

@@ -8,16 +8,12 @@ chunk's logits at a time.
 """
 
 import copy
-import sys
 
 import pytest
 import torch
 
-from launching import REPO
-
-sys.path.insert(0, str(REPO / "recipes"))
-from accelrun.finetune import chunked_loss as chunked  # noqa: E402
-from accelrun.finetune.chunked_loss import IGNORE, install, token_losses, with_loss_count  # noqa: E402
+from accelrun.finetune import chunked_loss as chunked
+from accelrun.finetune.chunked_loss import IGNORE, install, token_losses, with_loss_count
 
 VOCAB, WIDTH, LENGTH, BATCH = 1000, 32, 24, 3
 

@@ -248,14 +248,18 @@ def test_on_a_terminal_each_line_stands_above_the_progress_bar(data_dir, tmp_pat
     """Issue 41, item 8: on a terminal each `epoch N done | test loss ...` line was glued to the end of the progress
     bar, the bar was drawn a second time below it at the end, and the first line said "1 processes". Run as a user
     runs it (a pseudo-terminal, so the bar is drawn): as the terminal shows it, every line starts a line of its own,
-    the finished bar is on one line, and the first line says "1 process"."""
+    the checkpoints' lines too (issue 53, item 9), the finished bar is on one line, and the first line says
+    "1 process"."""
     code, output = on_a_terminal([sys.executable, "recipes/mnist.py", "--data-dir", str(data_dir), *DATA_ARGS,
                                   "--epochs", "2", "--batch-size", "200", "--log-every", "5",
-                                  "--output-dir", str(tmp_path / "out")])
+                                  "--output-dir", str(tmp_path / "out"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                  "--checkpoint-every", "7"])
     shown = terminal_lines(output)
     assert code == 0 and "10/20" in output, output[-3000:]  # the bar was drawn
     done = [line for line in shown if "done | test loss" in line]
     assert len(done) == 2 and all(line.startswith("epoch ") for line in done), shown
+    saved = [line for line in shown if "checkpoint saved: " in line]  # steps 7 and 14, mid-epoch, and the last
+    assert len(saved) == 3 and all(line.startswith("checkpoint saved: ") for line in saved), shown
     bars = [line for line in shown if re.search(r"\| \d+/20 \[", line)]
     assert len([line for line in bars if "| 20/20 [" in line]) == 1, shown  # the finished bar, once
     assert all(re.fullmatch(r"\s*\d+%\|.*it/s\]", line) for line in bars), bars  # nothing glued to a bar

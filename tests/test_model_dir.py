@@ -7,17 +7,13 @@ The run that shows the line as the recipe prints it: test_finetune_lm.py's test_
 Also LoRA's base: the fingerprint that tells one model's weights from another's (issue 41, item 2).
 """
 
-import sys
 
 import pytest
 
 from accelrun.data.tiny_hf import write_all, write_model, write_tokenizer
-from launching import REPO
+from accelrun.finetune.pretrained import load_config_and_tokenizer
+from accelrun.finetune.weights import WeightsProblem, check_base, fingerprint, record_base
 from planted import planted_copy
-
-sys.path.insert(0, str(REPO / "recipes"))
-from accelrun.finetune.pretrained import load_config_and_tokenizer  # noqa: E402
-from accelrun.finetune.weights import WeightsProblem, check_base, fingerprint, record_base  # noqa: E402
 
 
 @pytest.fixture(scope="module")

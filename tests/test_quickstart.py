@@ -236,8 +236,6 @@ OTHER_CONFIGS = ["cpu.yaml", "fsdp.yaml"]
 
 @pytest.fixture(scope="module")
 def small_mnist_root(tmp_path_factory):
-    import sys
-    sys.path.insert(0, str(REPO / "recipes"))
     from accelrun.data.synthetic_mnist import write_synthetic_mnist
     root = tmp_path_factory.mktemp("small-mnist")
     write_synthetic_mnist(root, SMALL_TRAIN, SMALL_TEST, seed=0)

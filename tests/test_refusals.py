@@ -7,15 +7,12 @@ test_linear_regression.py; ZeRO-3 loading a whole model that does not fit: test_
 """
 
 import json
-import sys
 
 import pytest
 import torch
 
-from launching import CONFIG_DIR, REPO, LaunchResult, launch_command, run_commands
+from launching import CONFIG_DIR, LaunchResult, launch_command, run_commands
 from run_checks import assert_refused
-
-sys.path.insert(0, str(REPO / "recipes"))
 
 FP32 = ["--mixed_precision", "no"]
 SHORT = ("--max-steps", "8", "--log-every", "1")

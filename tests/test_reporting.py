@@ -153,7 +153,6 @@ def test_the_docs_snippets_load_each_result(reference, lora, hf):
 def test_summary_line_is_short_and_summary_json_complete():
     """The SUMMARY line: the figures a person reads, floats to 4 significant digits, nulls left out, JSON a script
     parses; without `shown` (pi.py, data_sharding.py) every field but args, as is."""
-    sys.path.insert(0, str(REPO / "recipes"))
     from accelrun.reporting import summary_line
 
     summary = {"recipe": "finetune_lm", "distributed_type": "MULTI_CPU", "world_size": 2, "mixed_precision": "no",
@@ -178,7 +177,6 @@ def test_a_compiled_model_evaluates_without_a_second_graph():
     import torch
     from torch._dynamo.utils import counters
 
-    sys.path.insert(0, str(REPO / "recipes"))
     from accelrun.run import eager_if_compiled
 
     torch._dynamo.reset()
@@ -218,7 +216,7 @@ def test_the_end_of_a_run_by_part_and_the_summary_line(reference):
 
 QUIET = """
 import os, sys
-sys.path.insert(0, "recipes")
+sys.path.insert(0, "src")
 import datasets
 from accelrun.engines import name_the_cpu_for_deepspeed
 from accelrun.exits import one_line

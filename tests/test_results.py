@@ -4,12 +4,8 @@ test_hostile_checkpoint_dir.py (a manifest naming an output directory)."""
 
 import json
 import os
-import sys
 
-from launching import REPO
-
-sys.path.insert(0, str(REPO / "recipes"))
-from accelrun import results  # noqa: E402
+from accelrun import results
 
 RUN, OTHER = "a" * 32, "b" * 32
 

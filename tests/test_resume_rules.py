@@ -3,15 +3,11 @@ change, what it refuses, the log window's rule, and the table in
 docs/checkpoints.md that states the rules. Quick: the launches that prove them are in test_checkpoint_resume.py."""
 
 import importlib
-import sys
 
 import pytest
 
-from launching import REPO
-
-sys.path.insert(0, str(REPO / "recipes"))
-from accelrun.checkpoint.resharding import reshaped_window  # noqa: E402
-from accelrun.checkpoint.rules import (  # noqa: E402
+from accelrun.checkpoint.resharding import reshaped_window
+from accelrun.checkpoint.rules import (
     PER_RANK,
     RESHAPE,
     WORLD_SIZE_CHANGE,
@@ -19,6 +15,7 @@ from accelrun.checkpoint.rules import (  # noqa: E402
     incompatibility,
     reshaped,
 )
+from launching import REPO
 
 SETTINGS = {"batch_size": 16, "grad_accum": 1, "lr": 1e-3}
 

@@ -10,14 +10,12 @@ were not weighted by tokens across the slices would differ from one process's.
 """
 
 import shutil
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-from launching import FINETUNE_STEPS, REPO
+from launching import FINETUNE_STEPS
 
-sys.path.insert(0, str(REPO / "recipes"))
 SP = "deepspeed_zero3_sp2.yaml"
 CHECKPOINTS = ("--checkpoint-every", "3", "--keep-last", "0")
 # 4 decimals, the issue's bar: DeepSpeed's fp32 sums in another order than one process's (1e-6 here).

@@ -423,7 +423,7 @@ def test_each_accelrun_module_owns_one_listed_concern():
 
 def test_run_refuses_a_namespace_without_its_flags():
     """A recipe author who forgets add_run_args() learns it at once, by name, not from an AttributeError later."""
-    probe = ("import argparse, sys; sys.path.insert(0, 'recipes'); from accelrun import Run\n"
+    probe = ("import argparse, sys; sys.path.insert(0, 'src'); from accelrun import Run\n"
              "Run('x', argparse.Namespace(batch_size=8))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "call add_run_args(parser, ...)" in result.stderr, result.stderr[-2000:]

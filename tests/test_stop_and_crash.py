@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from accelrun.stopping import GracefulStop, how_to_stop
 from launching import (
     CPU_SHIM,
     DATA_ARGS,
@@ -45,9 +46,6 @@ from launching import (
     thawed,
 )
 from run_checks import assert_identical_params, assert_same_steps
-
-sys.path.insert(0, str(REPO / "recipes"))
-from accelrun.stopping import GracefulStop, how_to_stop  # noqa: E402
 
 # ---- src/accelrun/stopping.py, stop.py and launcher.py, without a run (quick) ------------------------------
 
@@ -113,7 +111,7 @@ def test_how_to_stop_under_slurm_names_the_job(outside_any_launcher):
 
 CHILD = """
 import sys
-sys.path.insert(0, "recipes")
+sys.path.insert(0, "src")
 from accelrun.launcher import die_with_launcher
 from accelrun.stopping import how_to_stop
 die_with_launcher()

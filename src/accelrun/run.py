@@ -304,6 +304,20 @@ class Run:
         else:
             tqdm.write(line)
 
+    @contextlib.contextmanager
+    def _above_the_bar(self):
+        """While active, what other code prints mid-epoch (the checkpoint's lines, a recipe's evaluate()) goes above
+        the progress bar as _say's lines do: the bar is cleared first, so a line does not start at its end
+        (`...| 50/468 [00:07<01:02, 6.66it/s]checkpoint saved: ...`), and drawn again below them."""
+        if self.bar.disable:
+            yield
+            return
+        self.bar.clear()
+        try:
+            yield
+        finally:
+            self.bar.refresh()
+
     def mfu(self, units_per_s):
         return self.flops_per_unit * units_per_s / (self.peak_tflops * 1e12 * self.accelerator.num_processes)
 
@@ -324,7 +338,7 @@ class Run:
         evaluated eagerly: a second graph (no_grad, eval mode, the evaluation's batch shapes) would cost more to
         compile than the evaluation saves (docs/measuring.md, "The end of a run")."""
         started = time.perf_counter()
-        with eager_if_compiled():
+        with eager_if_compiled(), self._above_the_bar():
             result = self.evaluate_fn()
         self._after_training("evaluation_s", started)
         s = self.state
@@ -339,9 +353,10 @@ class Run:
         s = self.state
         s["window"] = self.timer.window_state()  # collective
         # "stopped": a checkpoint saved for a stop (the stop command, stop.py, reads it).
-        self.checkpointer.save(s["step"], {**s, "train_time": self._train_time(), "output_dir": self.output_dir,
-                                           "run_id": self.run_id, "stopped": self.stopping,
-                                           "total_steps": self.total_steps})
+        with self._above_the_bar():
+            self.checkpointer.save(s["step"], {**s, "train_time": self._train_time(), "output_dir": self.output_dir,
+                                               "run_id": self.run_id, "stopped": self.stopping,
+                                               "total_steps": self.total_steps})
         self._after_training("checkpoint_s", started)
 
     # ---- the end ----------------------------------------------------------------------------------

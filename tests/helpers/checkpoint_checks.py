@@ -2,14 +2,10 @@
 no launch: shared by test_integrity.py and test_hostile_checkpoint_dir.py. The run itself never calls these."""
 
 import os
-import sys
 
-from launching import REPO
-
-sys.path.insert(0, str(REPO / "recipes"))
-from accelrun.checkpoint.files import digest  # noqa: E402
-from accelrun.checkpoint.held import HeldCheckpoint  # noqa: E402
-from accelrun.checkpoint.untrusted import RefusedFile  # noqa: E402
+from accelrun.checkpoint.files import digest
+from accelrun.checkpoint.held import HeldCheckpoint
+from accelrun.checkpoint.untrusted import RefusedFile
 
 
 def check_loadable(root, rels, files=None):

@@ -7,7 +7,8 @@ row names:
     verified by every rank like any checkpoint file (universal_part); loaded instead of the ZeRO files
     (loading_universal), with the repair of DeepSpeed 0.19.8's ZeRO-3 universal load (repair_zero3_universal_load).
     The conversion reads only the files the main process verified and holds, writes only into a directory it
-    created and holds, and checks first every parameter name that becomes a path (path_names_problem);
+    created and holds, and checks first every parameter name that becomes a path (path_names_problem); what
+    DeepSpeed's converter prints stays out of the run's log unless it fails (converter_quiet);
   * each rank's own state: the RNG state of a new rank (rng_for_new_rank), FSDP's per-rank buffers
     (save_rank_buffers, load_rank_buffers), the open log window (reshaped_window), and accelerate's micro-batch
     counter (set_micro_batch_counter).
@@ -18,11 +19,14 @@ safe_loading.weights_only_loading: no file runs code.
 import argparse
 import contextlib
 import hashlib
+import io
 import json
 import os
 import random
 import shutil
 import stat
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -162,7 +166,8 @@ def _convert(held, manifest, source):
         args = argparse.Namespace(input_folder=os.path.join(held.view(), "pytorch_model"),
                                   output_folder=os.path.join(out, "pytorch_model"), num_extract_workers=1,
                                   num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-        with weights_only_loading():  # ds_to_universal's own torch.load calls ask for weights_only=False
+        # ds_to_universal's own torch.load calls ask for weights_only=False; what it prints is not the run's log
+        with weights_only_loading(), converter_quiet():
             ds_to_universal.main(args)
         files = file_table(out, listing(out))
         write_manifest(out, {"step": manifest["step"], "layout": manifest["layout"], "derived_from": source,
@@ -178,6 +183,44 @@ def _convert(held, manifest, source):
     print(f"converted {held.path}'s ZeRO state to DeepSpeed's universal checkpoint in "
           f"{os.path.join(held.path, DERIVED)} ({len(files)} files, {time.perf_counter() - started:.1f} s): later "
           f"resumes on another world size reuse it", flush=True)
+
+
+# What a failed conversion shows of what DeepSpeed's converter printed: its end, where the cause is.
+SHOWN_ON_FAILURE = 6000
+
+
+@contextlib.contextmanager
+def converter_quiet():
+    """While DeepSpeed's converter runs, what it prints stays out of the run's log: its steps and banners, its own
+    tqdm bars (carriage returns), the temporary /proc/PID/fd paths it writes through, "No AutoEP layers found".
+    Caught at Python's streams (print, tqdm) and at file descriptors 1 and 2 (a logger's handler holds the stream it
+    was given, a library may write to the descriptor); shown on stderr, its end, if the conversion fails. The run's
+    own line follows the conversion (_convert)."""
+    streams = (sys.stdout, sys.stderr)
+    for stream in streams:
+        stream.flush()
+    saved = os.dup(1), os.dup(2)
+    failed = False
+    with tempfile.TemporaryFile() as sink, io.StringIO() as text:
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            for stream in streams:
+                stream.flush()
+            for fd, own in zip((1, 2), saved):
+                os.dup2(own, fd)
+                os.close(own)
+            if failed:
+                sink.seek(0)
+                printed = text.getvalue() + sink.read().decode(errors="replace")
+                sys.stderr.write(f"DeepSpeed's converter printed:\n{printed[-SHOWN_ON_FAILURE:]}\n")
+                sys.stderr.flush()
 
 
 def _remove_at(dir_fd, name):
