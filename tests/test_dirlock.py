@@ -250,7 +250,10 @@ def test_a_save_directory_swapped_as_soon_as_it_is_made_is_refused(tmp_path, mon
         def mkdtemp(**kwargs):
             path = real(**kwargs)
             os.rename(path, tmp_path / f"moved-{len(made)}")
-            os.symlink(target, path) if target == elsewhere else os.rename(target, path)
+            if target == elsewhere:
+                os.symlink(target, path)  # a link to someone's directory
+            else:
+                os.rename(target, path)  # a directory of this user's, not empty
             made.append(path)
             return path
         return mkdtemp
