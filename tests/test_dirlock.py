@@ -1,7 +1,12 @@
 """The directory lock (src/accelrun/checkpoint/lock.py) without a launch: one writer per --checkpoint-dir, a
 live holder named, a dead holder's lock taken over (a zombie's too), a requeued Slurm job taking over its own earlier
 run; a lock that is garbage, out of range, a link or a FIFO; a directory others can write refused; the lock and its
-names importing without torch.
+names importing without torch. And the directory trusted by its owner (accelrun/trust.py, issue 52): a shared sticky
+directory of another user's refused by the lock, choosing, rotation and the stop command before anything is removed
+(its owner renamed the victim's checkpoints to .tmp- names, which the requeue deleted); a leftover .tmp-step-* removed
+only when it carries the marker of a save in progress; a save's directory swapped for a link refused; planted step-*
+names bounded in cost, and filtered by owner before the stop command's bound. "Another user" is a uid this system
+does not know, made the owner as root (the suite runs as root).
 
 The launches that prove the same end to end (a second run refused; a dead holder's lock taken over) are
 in test_stop_and_crash.py.
@@ -9,12 +14,22 @@ in test_stop_and_crash.py.
 
 import json
 import os
+import pwd
 import socket
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
+import pytest
+
+from accelrun import stop, trust
 from accelrun.checkpoint import lock as dirlock
-from launching import REPO
+from accelrun.checkpoint import owners, save
+from accelrun.checkpoint.choose import distrust
+from accelrun.checkpoint.layout import SAVING
+from accelrun.checkpoint.rotate import Rotation
+from launching import REPO, skip_unless_ci
 
 
 def test_directory_lock(tmp_path, capsys):
@@ -128,3 +143,181 @@ def test_the_lock_and_its_names_import_without_torch():
              "assert not {'torch', 'accelerate', 'numpy'} & set(sys.modules), sorted(sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+# ---- a directory trusted by its owner (issue 52) ----------------------------------------------------------------
+
+def stranger():
+    """A uid this system does not know (12345 is a real user on some machines): the other user of the tests."""
+    for uid in range(50000, 60000):
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            return uid
+    raise AssertionError("no unknown uid in 50000-59999")
+
+
+def needs_root():
+    if os.geteuid() != 0:
+        skip_unless_ci("needs root, to make a directory another user's")
+
+
+def theirs_sticky(path):
+    """`path` made a shared scratch directory (mode 1777) that another user created: its owner is them."""
+    path.mkdir(exist_ok=True)
+    os.chown(path, stranger(), stranger())
+    path.chmod(0o1777)
+    return path
+
+
+def checkpoint_like(path, step):
+    """A directory of this user's holding a checkpoint.json of step `step` that records a stopped run."""
+    path.mkdir(mode=0o700)
+    (path / "checkpoint.json").write_text(json.dumps({"step": step, "train_state": {"step": step, "stopped": True}}))
+    return path
+
+
+def test_a_sticky_directory_of_another_user_is_refused_before_anything_is_removed(tmp_path, monkeypatch, capsys):
+    """Attacks 1(a), (c), (d): another user created the shared 1777 --checkpoint-dir; they renamed the victim's step 4
+    to a .tmp-step- name (and its newest away, and could swap a save in progress for a link). The lock refuses it in
+    one line naming the owner and the opt-in, before anything is made or removed (the requeue deleted both renamed
+    checkpoints and trained from step 0); choosing, rotation and the stop command refuse it too. With
+    ACCELRUN_TRUST_SHARED_DIRS=1 it is accepted, and still nothing of this user's goes on its name alone: the renamed
+    checkpoint is left alone with a warning, and only a leftover carrying the marker of a save in progress goes."""
+    needs_root()
+    shared = theirs_sticky(tmp_path / "scratch")
+    checkpoint_like(shared / "step-00000002", 2)
+    renamed = checkpoint_like(shared / ".tmp-step-00000004.aaaaaaaa", 4)
+    before = sorted(os.listdir(shared))
+    lock, error = dirlock.take(str(shared))
+    assert lock is None and f"--checkpoint-dir {shared}: it is owned by uid {stranger()} (mode 1777)" in error
+    assert trust.TRUST_ENV in error and "\n" not in error
+    assert sorted(os.listdir(shared)) == before and not (shared / ".lock").exists()
+    assert "owned by uid" in distrust(str(shared), "auto")
+    Rotation(SimpleNamespace(directory=str(shared), passed=owners.Passed()), 2).rotate(6, str(shared / "x"))
+    assert sorted(os.listdir(shared)) == before and "nothing rotated" in capsys.readouterr().err
+    assert stop.stop_run([str(shared), "--wait", "0"]) == 2
+    assert f"accelrun.stop: error: the checkpoint directory {shared}: it is owned by uid" in capsys.readouterr().err
+
+    monkeypatch.setenv(trust.TRUST_ENV, "1")  # the user trusts every writer of it: what that risks is documented
+    crashed = shared / ".tmp-step-00000006.bbbbbbbb"
+    crashed.mkdir(mode=0o700)
+    (crashed / SAVING).touch()
+    (crashed / "model.safetensors").write_bytes(b"half")
+    lock, error = dirlock.take(str(shared))
+    assert error is None
+    lock.release()
+    err = capsys.readouterr().err
+    assert f"removing {crashed}: a save that never finished" in err and not crashed.exists()
+    assert f"warning: leaving alone {renamed}: it is named like a save in progress but is not one" in err
+    assert (renamed / "checkpoint.json").exists() and (shared / "step-00000002").exists()
+
+
+def test_a_dir_of_mine_in_another_users_directory_is_refused(tmp_path, monkeypatch):
+    """Attack 1(b): the docs said `mkdir -m 700 DIR/$USER` in a shared DIR. The owner of DIR renamed DIR/alice away
+    and made a 1777 DIR/alice of their own, which the requeue accepted in silence: refused. And DIR/alice of this
+    user's is only as safe as DIR, whose owner may rename it: refused too, naming DIR (this user played by a second
+    unknown uid, as the suite's user is root, whose directories end the walk)."""
+    needs_root()
+    shared = theirs_sticky(tmp_path / "scratch")
+    alice = theirs_sticky(shared / "alice")
+    lock, error = dirlock.take(str(alice))
+    assert lock is None and f"--checkpoint-dir {alice}: it is owned by uid {stranger()} (mode 1777)" in error
+    assert not (alice / ".lock").exists()
+    os.rmdir(alice)
+    alice.mkdir(mode=0o700)
+    me = next(uid for uid in range(stranger() + 1, 60000) if uid not in {u.pw_uid for u in pwd.getpwall()})
+    os.chown(alice, me, me)
+    monkeypatch.setattr(trust.os, "geteuid", lambda: me)
+    error = trust.refusal(str(alice), "--checkpoint-dir")
+    assert f"--checkpoint-dir {alice}: {shared} is owned by uid {stranger()} (mode 1777)" in error, error
+    assert f"every writer of {shared} " in error
+
+
+def test_a_save_directory_swapped_as_soon_as_it_is_made_is_refused(tmp_path, monkeypatch):
+    """Attack 1(d), second try: the .tmp directory swapped for a link between mkdtemp and taking its identity. The
+    identity of a link was None, and None == None passed every later check: checkpoint.json landed in the link's
+    target. Now the directory is opened without following a link, and must be the new, empty one of this user's; a
+    save whose identity is unknown is never published; the marker goes only through the directory it was made in."""
+    elsewhere = tmp_path / "precious"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("mine")
+    made = []
+
+    def swapped(target):
+        def mkdtemp(**kwargs):
+            path = real(**kwargs)
+            os.rename(path, tmp_path / f"moved-{len(made)}")
+            if target == elsewhere:
+                os.symlink(target, path)  # a link to someone's directory
+            else:
+                os.rename(target, path)  # a directory of this user's, not empty
+            made.append(path)
+            return path
+        return mkdtemp
+
+    real = save.tempfile.mkdtemp
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    monkeypatch.setattr(save.tempfile, "mkdtemp", swapped(elsewhere))
+    with pytest.raises(OSError, match="was replaced as soon as it was made"):
+        save.private_directory(str(ckpt), "step-00000002")
+    assert os.listdir(elsewhere) == ["notes.txt"]  # no marker written through the link
+    mine = checkpoint_like(tmp_path / "step-00000004", 4)  # a directory of this user's, not empty, swapped in
+    monkeypatch.setattr(save.tempfile, "mkdtemp", swapped(mine))
+    with pytest.raises(OSError, match="not the new, empty one"):
+        save.private_directory(str(ckpt), "step-00000004")
+    monkeypatch.setattr(save.tempfile, "mkdtemp", real)
+    tmp, identity = save.private_directory(str(ckpt), "step-00000006")
+    assert os.listdir(tmp) == [SAVING] and identity == save.identity(tmp)
+    saver = save.Saver(SimpleNamespace(directory=str(ckpt)), None, None, {})
+    with pytest.raises(RuntimeError, match="was replaced while this run wrote into it"):
+        saver._still_ours(tmp, None, str(ckpt / "step-00000006"))  # an unknown identity never matches
+    os.rename(tmp, tmp_path / "moved")
+    os.symlink(elsewhere, tmp)
+    with pytest.raises(OSError):
+        save.unmark(tmp, identity)
+    save.unmark(str(tmp_path / "moved"), identity)
+    assert os.listdir(tmp_path / "moved") == []
+
+
+def test_planted_step_names_cost_one_lookup_per_owner(tmp_path, monkeypatch, capsys):
+    """Attack 4: 100,000 planted step-* links cost 23 s per pass of own_steps (four user database lookups per entry,
+    at start-up, in choosing and after every save). Here 5,000 of another user's beside one of this user's: one lookup
+    per owner in the pass, ten named and the rest counted in one line."""
+    needs_root()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    mine = checkpoint_like(ckpt / "step-00000001", 1)
+    for step in range(100, 5100):
+        os.symlink("/nowhere", ckpt / f"step-{step:08d}")
+        os.lchown(ckpt / f"step-{step:08d}", stranger(), stranger())
+    lookups = []
+    real = trust.pwd.getpwuid
+    monkeypatch.setattr(trust.pwd, "getpwuid", lambda uid: lookups.append(uid) or real(uid))
+    trust.who.cache_clear()
+    passed = owners.Passed()
+    started = time.perf_counter()
+    assert owners.own_steps(str(ckpt), passed) == [(1, str(mine))]
+    passed.close(str(ckpt))
+    elapsed = time.perf_counter() - started
+    assert sorted(lookups) == sorted({0, stranger()}), lookups
+    err = capsys.readouterr().err
+    assert err.count(f"belongs to uid {stranger()}") == owners.SHOWN and f"4990 more entries in {ckpt}" in err
+    print(f"own_steps over 5,001 entries: {elapsed * 1000:.0f} ms")
+
+
+def test_the_stop_command_filters_by_owner_before_its_bound(tmp_path, capsys):
+    """Attack 7: with 1,000 planted step-* names newer than the run's own, the stop command looked only at those and
+    reported "ended without saving a checkpoint ... none", exit 1, while the run had saved step-00000003 and exited
+    75. This user's entries are picked out first: it finds step 3, saved for the stop."""
+    needs_root()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    saved = checkpoint_like(ckpt / "step-00000003", 3)
+    for step in range(1000, 1000 + owners.INSPECTED):
+        os.symlink("/nowhere", ckpt / f"step-{step:08d}")
+        os.lchown(ckpt / f"step-{step:08d}", stranger(), stranger())
+    assert stop._newest_state(str(ckpt)) == (str(saved), {"step": 3, "stopped": True})
+    assert stop._outcome(str(ckpt), 1, None, str(tmp_path), time.time()) == 75
+    assert f"stopped after step 3: checkpoint {saved}" in capsys.readouterr().out

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import pickle
+import pwd
 import shutil
 import socket
 import subprocess
@@ -308,11 +309,25 @@ def test_a_tmp_dir_swapped_during_the_save_is_not_published(written, data_dir, t
 
 
 def test_a_directory_others_can_write_is_refused(written, data_dir, tmp_path):
+    """A --checkpoint-dir of this user's that everyone can write without the sticky bit, and (issue 52, attack 1) a
+    shared 1777 one another user created, its owner having renamed this user's step 4 to a .tmp-step- name: each is
+    one error naming what is wrong and what to do, exit 2, before anything is removed (the requeue deleted the
+    renamed checkpoint as "a save that never finished" and trained from step 0)."""
     ckpt = copy(written, tmp_path, 6)
     ckpt.chmod(0o777)
     code, output = refusal(data_dir, tmp_path, "--checkpoint-dir", str(ckpt))
     refused(code, output, f"chmod go-w {ckpt}")
     assert sorted(os.listdir(ckpt)) == ["step-00000006"]
+    needs_root()
+    scratch = copy(written, tmp_path, 2, 4, name="scratch")
+    os.rename(scratch / "step-00000004", scratch / ".tmp-step-00000004.aaaaaaaa")
+    os.chown(scratch, ATTACKER, ATTACKER)
+    scratch.chmod(0o1777)
+    code, output = refusal(data_dir, tmp_path, "--checkpoint-dir", str(scratch), name="scratch-out")
+    refused(code, output, f"--checkpoint-dir {scratch}: it is owned by uid {ATTACKER} (mode 1777), who may rename "
+                          f"this run's entries there")
+    assert "ACCELRUN_TRUST_SHARED_DIRS=1" in output and "removing" not in output
+    assert sorted(os.listdir(scratch)) == [".tmp-step-00000004.aaaaaaaa", "step-00000002"]
 
 
 # ---- 7. numpy from the allowlist -------------------------------------------------------------------------------
@@ -690,7 +705,17 @@ def test_resume_given_the_checkpoint_directory_takes_its_newest(written, data_di
 
 # ---- 14. another user beside this one in a shared directory with the sticky bit (issue 46) -----------------------
 
-ATTACKER = 12345  # the other user of the shared directory; the suite runs as root, so it can plant as them
+def _unknown_uid():
+    """A uid this system does not know (12345 is a real user on some machines)."""
+    for uid in range(50000, 60000):
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            return uid
+    raise AssertionError("no unknown uid in 50000-59999")
+
+
+ATTACKER = _unknown_uid()  # the other user of the shared directory; the suite runs as root, so it can plant as them
 
 
 def needs_root():

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pickle
+import pwd
 import re
 from pathlib import Path
 
@@ -20,14 +21,16 @@ import numpy as np
 import pytest
 import torch
 
+from accelrun.checkpoint import manifest as manifests
 from accelrun.checkpoint import safe_loading
 from accelrun.checkpoint.files import coverage, my_share
 from accelrun.checkpoint.formats import files_problem
 from accelrun.checkpoint.held import HeldCheckpoint
-from accelrun.checkpoint.layout import FORMAT_VERSION
-from accelrun.checkpoint.manifest import read_manifest, state_problem, write_manifest
+from accelrun.checkpoint.layout import FORMAT_VERSION, size_limit
+from accelrun.checkpoint.manifest import read_manifest, run_problem, state_problem, write_manifest
 from accelrun.checkpoint.untrusted import RefusedFile, open_regular
 from checkpoint_checks import check_files, check_loadable
+from launching import skip_unless_ci
 from tampering import deflated
 
 
@@ -323,3 +326,75 @@ def test_a_dcp_entry_loads_only_into_an_object_of_its_kind(tmp_path):
 def test_plain_names():
     assert safe_loading.plain_name("blocks.0.ln1.weight")
     assert not any(safe_loading.plain_name(n) for n in ("", ".", "..", "a/b", "/abs", "../../x", "a\0b", "x" * 300))
+
+
+# ---- rules that passed only because another refused first (issue 52, item 7) --------------------------------------
+
+def test_another_users_manifest_in_a_directory_of_mine_is_refused(tmp_path):
+    """The owner of checkpoint.json alone: the checkpoint's directory is this user's, only its manifest is another
+    user's (a uid this system does not know): refused naming them (the test given another user's whole checkpoint was
+    answered by the directory's owner check first)."""
+    if os.geteuid() != 0:
+        skip_unless_ci("needs root, to make a file another user's")
+    other = next(uid for uid in range(50000, 60000) if uid not in {u.pw_uid for u in pwd.getpwall()})
+    write_manifest(str(tmp_path), manifest_with())
+    assert read_manifest(str(tmp_path), contents=False)["step"] == 2
+    manifests._PARSED.clear()
+    os.chown(tmp_path / "checkpoint.json", other, other)
+    assert tmp_path.stat().st_uid == os.geteuid()
+    with pytest.raises(ValueError, match=f"checkpoint.json belongs to uid {other}, not to "):
+        read_manifest(str(tmp_path), contents=False)
+
+
+def test_recorded_sizes_beyond_what_the_model_holds_are_refused_alone():
+    """The size bound alone (layout.size_limit: 40 bytes a parameter and 64 MB): a manifest of a fine step whose
+    recorded sizes add up to one byte more than a checkpoint of the model holds is refused for that, and at the bound
+    it is not (the planted step of the launch test was refused for its step number first)."""
+    limit = size_limit(1000)
+    files = {"model.safetensors": {"size": limit - 10, "sha256": "0" * 64},
+             "optimizer.bin": {"size": 10, "sha256": "0" * 64}}
+    at_bound = manifest_with(files=files)
+    assert "GB of files" not in str(run_problem(at_bound, limit, 1, 1, 1))
+    over = manifest_with(files={**files, "optimizer.bin": {"size": 11, "sha256": "0" * 64}})
+    assert run_problem(over, limit, 1, 1, 1) == (
+        f"its checkpoint.json records {(limit + 1) / 1e9:.3g} GB of files, more than a checkpoint of this model holds "
+        f"({limit / 1e9:.3g} GB at most)")
+
+
+def test_a_manifest_hard_linked_into_many_checkpoints_is_parsed_once(tmp_path, monkeypatch):
+    """The parse cache keyed by the file (device, inode, size, mtime), not its path: one manifest under the 4 MB bound
+    hard-linked into 50 directories is parsed once (the launch test's manifest was over 4 MB, refused by its size
+    before the cache was reached, so a cache keyed by path passed it)."""
+    parsed = []
+    real = manifests._parsed
+    monkeypatch.setattr(manifests, "_parsed", lambda data: parsed.append(len(data)) or real(data))
+    manifests._PARSED.clear()
+    first = tmp_path / "step-00000001"
+    first.mkdir()
+    write_manifest(str(first), manifest_with(train_state={"pad": "x" * (1 << 20)}))
+    for step in range(2, 52):
+        (tmp_path / f"step-{step:08d}").mkdir()
+        os.link(first / "checkpoint.json", tmp_path / f"step-{step:08d}" / "checkpoint.json")
+    for step in range(1, 52):
+        assert read_manifest(str(tmp_path / f"step-{step:08d}"), contents=False)["step"] == 2
+    assert len(parsed) == 1 and parsed[0] > 1 << 20
+
+
+def test_the_base_fingerprint_samples_tensor_bytes(tmp_path):
+    """The LoRA base fingerprint (finetune/weights.py) alone: a base whose weights changed in a sampled window, its
+    file's names, header and size the same, has another fingerprint (the launch test changed --max-steps too, which
+    refused first); a byte between the sampled windows does not change it (a sample, not a checksum)."""
+    from safetensors.torch import save_file
+
+    from accelrun.finetune.weights import WINDOW, fingerprint, safetensors_header
+
+    save_file({"w": torch.arange(50_000, dtype=torch.float32)}, tmp_path / "model.safetensors")
+    before = fingerprint(str(tmp_path))
+    _, _, data = safetensors_header(str(tmp_path / "model.safetensors"))
+    raw = bytearray((tmp_path / "model.safetensors").read_bytes())
+    raw[data + WINDOW + 100] ^= 0xFF  # after the first window, before the middle one
+    (tmp_path / "model.safetensors").write_bytes(bytes(raw))
+    assert fingerprint(str(tmp_path)) == before
+    raw[data + 100] ^= 0xFF  # inside the first window
+    (tmp_path / "model.safetensors").write_bytes(bytes(raw))
+    assert fingerprint(str(tmp_path)) != before

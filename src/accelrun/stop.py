@@ -7,10 +7,12 @@ saved and ended, and exits 75 as the run itself does, which accelerate launch ca
 its workers that is not 0 into 1. The run's first line names this command under such a launcher
 (stopping.how_to_stop).
 
-The directory is shared storage, untrusted: this command reads it only through the checkpoint package's modules that
-need nothing but the standard library: the names and size limits (checkpoint/layout.py), whose entries a run may
-use and how many it looks at (checkpoint/owners.py), the bounded read of a small file (checkpoint/untrusted.py) and
-whether a process is alive (checkpoint/lock.py); it signals only a process of this host that holds the lock open.
+The directory is judged first, as the run judged it (accelrun/trust.py: by its owner and those above it); one
+that others could rename entries in is refused in one line, exit 2. Its content is untrusted: this command reads it
+only through the checkpoint package's modules that need nothing but the standard library: the names and size limits
+(checkpoint/layout.py), whose entries a run may use and how many it looks at, this user's picked out before the
+bound (checkpoint/owners.py), the bounded read of a small file (checkpoint/untrusted.py) and whether a process is
+alive (checkpoint/lock.py); it signals only a process of this host that holds the lock open.
 accelrun/__init__.py imports nothing eagerly, so the command imports no torch.
 """
 
@@ -21,11 +23,12 @@ import socket
 import sys
 import time
 
-from accelrun.checkpoint.layout import LOCK, LOCK_MAX_BYTES, MANIFEST, MANIFEST_MAX_BYTES, is_lock_name, steps
+from accelrun.checkpoint.layout import LOCK, LOCK_MAX_BYTES, MANIFEST, MANIFEST_MAX_BYTES, is_lock_name
 from accelrun.checkpoint.lock import alive
-from accelrun.checkpoint.owners import INSPECTED
+from accelrun.checkpoint.owners import own_steps
 from accelrun.checkpoint.untrusted import read_small
 from accelrun.stopping import EXIT_STOPPED
+from accelrun.trust import refusal
 
 WAIT_S = 900  # how long the command waits for the run to save and end, by default
 
@@ -76,8 +79,10 @@ def _own_locks(directory):
 
 
 def _newest_state(directory):
-    """(path, training state) of this user's newest checkpoint whose manifest reads, or (None, {})."""
-    for _, path in reversed(steps(directory)[-INSPECTED:]):
+    """(path, training state) of this user's newest checkpoint whose manifest reads, or (None, {}): this user's
+    step-* entries first, then the newest owners.INSPECTED of them (another user's 1,000 planted names hid the
+    checkpoint the run saved for the stop)."""
+    for _, path in own_steps(directory, None):
         manifest = _json_of(os.path.join(path, MANIFEST), MANIFEST_MAX_BYTES)
         if manifest and isinstance(manifest.get("train_state"), dict):
             return path, manifest["train_state"]
@@ -138,7 +143,8 @@ def stop_run(argv=None):
     parser.add_argument("--wait", type=float, default=WAIT_S, help="seconds to wait for the run to save and end")
     args = parser.parse_args(argv)
     directory = args.checkpoint_dir
-    pid, problem = _holder_pid(directory)
+    problem = refusal(directory, "the checkpoint directory")
+    pid, problem = (None, problem) if problem else _holder_pid(directory)
     if problem:
         print(f"accelrun.stop: error: {problem}", file=sys.stderr, flush=True)
         return 2

@@ -2,19 +2,20 @@
 
 Owns the one rule asked before a run removes, reads or writes anything in --checkpoint-dir, --output-dir or the
 default runs/<recipe>/<how> (checkpoint/lock.py at start-up, choose.py and rotate.py at each pass, results.py, the
-stop command): the directory, and every directory above it up to the first one owned by this user or root, must be
+stop command): the directory, and every directory above it up to the first one owned by root, must be
   * owned by this user or root and writable by no one else, or writable by others only with the sticky bit (then
-    only each entry's owner may rename or remove it), or
-  * owned by another user and writable by no one but that user.
-A sticky directory owned by another user is refused: the sticky bit does not bind a directory's owner, who may
-rename anyone's entries there (a checkpoint renamed away, a save in progress replaced by a link). So is any
-directory writable by others without the sticky bit, whoever owns it. A symbolic link on the way must be this user's
-or root's (another user could point it elsewhere).
+    only each entry's owner may rename or remove it).
+A directory owned by another user is refused, whatever its mode: its owner may rename anyone's entries there (a
+checkpoint renamed away, a save in progress replaced by a link, DIR/$USER replaced by a directory of their own), and
+the sticky bit does not bind them. So is any directory writable by others without the sticky bit, whoever owns it.
+The walk goes on past this user's own directories (DIR/$USER is only as safe as DIR) and stops at root's. A symbolic
+link on the way must be this user's or root's (another user could point it elsewhere).
 
 A user who trusts every writer of a group project directory says so with ACCELRUN_TRUST_SHARED_DIRS=1: then a
 directory owned by another user, or writable by its group, is accepted (one writable by everyone still needs the
-sticky bit). What it risks: any of those writers can rename this run's checkpoints and results away or replace them
-(docs/checkpoints.md, "Shared storage"). Standard library only; each owner is looked up once per process.
+sticky bit). What it risks: any of those writers can rename this run's checkpoints and results away or replace them,
+and redirect a save in progress (docs/checkpoints.md, "Shared storage"). Standard library only; each owner is looked
+up once per process.
 """
 
 import functools
@@ -48,9 +49,9 @@ def _doubt(st):
     writers = st.st_mode & (0o002 if trusting else 0o022)
     sticky = st.st_mode & stat.S_ISVTX
     mode = f"mode {stat.S_IMODE(st.st_mode):o}"
-    if not owner_ok and (st.st_mode & 0o022):
-        return (f"is owned by {who(st.st_uid)} and others can write into it ({mode}): its owner may rename this "
-                f"run's entries there and put others in their place, sticky bit or not")
+    if not owner_ok:
+        return (f"is owned by {who(st.st_uid)} ({mode}), who may rename this run's entries there and put others in "
+                f"their place, sticky bit or not")
     if writers and not sticky:
         group = "everyone" if st.st_mode & 0o002 else "its group"
         return (f"can be written by {group} without the sticky bit ({mode}): any of them could rename this run's "
@@ -87,9 +88,9 @@ def refusal(path, what):
             return f"{what} {path}: {directory} is not a directory. Give a directory of your own."
         doubt = _doubt(st)
         if doubt:
-            return _message(what, path, directory, doubt)
+            return _message(what, path, directory, doubt, mine=st.st_uid == os.geteuid())
         parent = os.path.dirname(directory)
-        if st.st_uid in (os.geteuid(), ROOT) or parent == directory:
+        if st.st_uid == ROOT or parent == directory:  # past this user's own: DIR/$USER is only as safe as DIR
             return None
         directory = parent
 
@@ -100,8 +101,9 @@ def _prefixes(path):
     return [os.sep.join(parts[:n]) or os.sep for n in range(2, len(parts) + 1)]
 
 
-def _message(what, path, directory, doubt):
+def _message(what, path, directory, doubt, mine=False):
     where = "it" if os.path.abspath(path) == directory else directory
-    return (f"{what} {path}: {where} {doubt}. Use a directory of your own (mkdir -m 700 DIR in a directory only "
-            f"you or root can rename entries in), or set {TRUST_ENV}=1 if you trust every writer of {directory} "
-            f"(docs/checkpoints.md, 'Shared storage': what it risks).")
+    fix = f"Run `chmod go-w {directory}` (or `chmod +t {directory}`, for a shared one), use" if mine else "Use"
+    return (f"{what} {path}: {where} {doubt}. {fix} a directory of your own (mkdir -m 700 DIR where every "
+            f"directory above is yours or root's, such as your home or /scratch/$USER), or set {TRUST_ENV}=1 if you "
+            f"trust every writer of {directory} (docs/checkpoints.md, 'Shared storage': what it risks).")

@@ -12,7 +12,7 @@ import time
 
 from ..collectives import main_process_result
 from . import no_times
-from .choose import Chooser, peek, start_refusal
+from .choose import Chooser, distrust, peek, start_refusal
 from .formats import FrozenRule, of
 from .layout import size_limit
 from .load import load
@@ -33,6 +33,7 @@ def lock_directory(accelerator, directory, resume="auto", recipe=None):
     lock, error, peeked = None, None, None
     if accelerator.is_main_process:
         lock, error = take(directory) if directory else (None, None)
+        error = error or distrust(None, resume)  # the checkpoint --resume names, where it lies
         peeked = None if error or resume == "none" else peek(directory, resume)
         error = error or (peeked and start_refusal(*peeked, layout(accelerator), recipe))
         if error and lock:

@@ -8,7 +8,8 @@ user's checkpoints. A candidate's manifest must be one this run would have writt
 settings ones this run may continue (rules.incompatibility); then every rank checks its share of the files, held
 open from here to the load (held.HeldCheckpoint), and the ranks pool their verdicts
 (collectives.checked_by_every_rank): damage makes auto fall back to an older one (one warning each) and is one
-error for a PATH; a file that would run code stops every rank, whatever --resume says. peek(), at start-up, reads
+error for a PATH; a file that would run code stops every rank, whatever --resume says. Nothing is read from a
+directory others could rename entries in (distrust: accelrun/trust.py's rule). peek(), at start-up, reads
 manifests and sizes alone: what it finds decides the refusal of another recipe's or engine's checkpoint before any
 data or model is loaded (start_refusal) and where the results go, which choose() confirms.
 """
@@ -18,12 +19,26 @@ import stat
 
 from ..collectives import checked_by_every_rank, main_process_result
 from ..exits import fail
+from ..trust import refusal
 from .formats import files_problem
 from .held import HeldCheckpoint
 from .layout import MANIFEST, steps
 from .manifest import another_recipe, read_manifest, state_problem
 from .owners import own_steps
 from .rules import RESHAPE, checkpoint_kind, incompatibility
+
+
+def distrust(directory, resume):
+    """Main process: None, or the one line refusing what this choice would read or remove (trust.refusal, the one
+    rule): --checkpoint-dir `directory`, and the directory holding the checkpoint --resume names (a checkpoint: its
+    parent; a directory of step-* checkpoints: itself), asked at start-up (checkpointer.lock_directory) and again
+    at each choice."""
+    problem = refusal(directory, "--checkpoint-dir") if directory else None
+    if problem or resume in (None, "auto", "none"):
+        return problem
+    path = os.path.abspath(resume)
+    holds_steps = not os.path.lexists(os.path.join(path, MANIFEST)) and steps(path)
+    return refusal(path if holds_steps else os.path.dirname(path), "--resume")
 
 
 def peek(directory, resume):
@@ -104,7 +119,9 @@ class Chooser:
         acc, result = scope.accelerator, (None, None)
         where = scope.directory if spec == "auto" else spec
         if acc.is_main_process:
-            result = self._refuse_fresh_start() if spec == "none" else self._candidates(spec)
+            problem = distrust(scope.directory, spec)
+            result = (None, problem) if problem else (
+                self._refuse_fresh_start() if spec == "none" else self._candidates(spec))
             scope.passed.close(where)
         candidates, held, fall_back = main_process_result(acc, result) or ([], 0, False)
         for path, manifest in candidates:

@@ -22,7 +22,7 @@ import resource
 import shutil
 import stat
 
-from .layout import DERIVED, DERIVING, MANIFEST
+from .layout import DERIVED, DERIVING, MANIFEST, SAVING
 from .untrusted import RefusedFile, kind, open_regular
 
 # A rank number in a file name: DeepSpeed, torch.distributed.checkpoint, accelerate, ours.
@@ -138,8 +138,9 @@ def file_table(root, rels):
 # ---- what is on disk, against what the manifest lists --------------------------------------------------------
 
 def listing(root):
-    """Every entry of a checkpoint but its manifest, as paths relative to it (a link is listed, never followed)."""
-    return [rel for rel, _ in entries(root) if rel != MANIFEST]
+    """Every entry of a checkpoint but its manifest and the marker of a save in progress, as paths relative to it (a
+    link is listed, never followed)."""
+    return [rel for rel, _ in entries(root) if rel not in (MANIFEST, SAVING)]
 
 
 def entries(root, limit=None, prune=()):

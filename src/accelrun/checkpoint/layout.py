@@ -5,8 +5,10 @@ command (accelrun/stop.py) alike. Standard library only.
                         checkpoint.json (manifest.py: the training state, the layout, the size and SHA-256 of
                         every file), written last
     step-00000120.k3x9a2q7/  the same, published under a name of its own when another user holds step-00000120
-    .tmp-step-00000130.XXXXXXXX/ a save in progress (a name no one can plant beforehand), or one a crash
-                        interrupted: never loaded, removed by the next run once it holds the lock
+    .tmp-step-00000130.XXXXXXXX/ a save in progress (a name no one can plant beforehand, mode 0700), or one a
+                        crash interrupted: never loaded; removed by the next run once it holds the lock when it
+                        still holds .accelrun-saving (the marker a save writes first and removes just before it
+                        publishes), else left alone with a warning (lock.py)
     .lock               the run that writes here: host, pid, Slurm job id (lock.py; .lock.<uid>.<random>, a lock
                         of this user's own name where another user holds .lock; .lock.takeover while a stale lock
                         is replaced)
@@ -25,7 +27,8 @@ FORMAT_VERSION = 1
 
 MANIFEST = "checkpoint.json"  # written last, by the main process: the checkpoint exists once it does
 DERIVED, DERIVING = "universal", ".tmp-universal"  # a checkpoint's derived part, and its conversion in progress
-TMP = ".tmp-"  # a save in progress begins so; whatever this user has so named when a run takes the lock is removed
+TMP = ".tmp-"  # a save in progress begins so: removed by a run taking the lock only when it holds SAVING
+SAVING = ".accelrun-saving"  # in a save in progress, written first through its descriptor; never in a checkpoint
 
 # A checkpoint's name: its step, and a suffix of its own when another user's entry holds the plain name.
 STEP_NAME = re.compile(r"step-(\d{8})(?:\.[0-9a-z]{8})?")

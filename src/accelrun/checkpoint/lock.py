@@ -1,8 +1,10 @@
 """One writer per --checkpoint-dir: the lock that keeps two runs from mixing and rotating away each
 other's checkpoints (a second job, a requeued twin, a rerun while orphans of a killed launch live on).
 
-Also owns the directory's permissions: one that group or others can write into is refused unless it has
-the sticky bit (others could replace this run's files and directories there). The lock file itself is
+Asks, before anything is made, removed or read there, whether the directory can be trusted (accelrun/trust.py: by
+its owner and the directories above it; one others could rename entries in is refused in one line). Owns what a
+crash left: a save of this user's left unfinished is removed only when it carries the marker a save writes first
+(layout.SAVING); anything else named like one is left alone with a warning. The lock file itself is
 untrusted: whatever is at .lock (a link, a FIFO, garbage) is one message or a takeover, never a hang. In a
 shared directory with the sticky bit, another user's .lock (or .lock.takeover) does not hold this user's runs
 back and cannot be removed: the run then locks under a name of its own, .lock.<uid>.<random>, and a run
@@ -22,8 +24,9 @@ import sys
 import threading
 import time
 
-from .layout import LOCK, LOCK_MAX_BYTES, TAKEOVER, TMP, is_lock_name, own_lock_name
-from .owners import theirs
+from ..trust import refusal
+from .layout import LOCK, LOCK_MAX_BYTES, SAVING, TAKEOVER, TMP, is_lock_name, own_lock_name
+from .owners import Passed, theirs
 from .untrusted import Missing, read_small, whole
 
 HEARTBEAT_S, STALE_S = 30, 180  # the holder touches its lock every 30 s; 3 minutes without a touch: dead
@@ -41,10 +44,14 @@ class OthersLock(OSError):
 
 def take(directory):
     """Main process: (lock, None) once this run holds `directory`, its unfinished saves removed; or
-    (None, the message saying why not)."""
+    (None, the message saying why not). Whether the directory can be trusted (trust.refusal: its owner, and those
+    above it) is asked first, before anything there is made, removed, read or written."""
     try:
+        error = refusal(directory, "--checkpoint-dir")
+        if error:
+            return None, error
         os.makedirs(directory, mode=0o700, exist_ok=True)  # a new one: only this user writes in it
-        error = writable_by_others(directory)
+        error = refusal(directory, "--checkpoint-dir")  # what makedirs found or made, judged again
         if error:
             return None, error
         lock = DirectoryLock(directory)
@@ -53,31 +60,43 @@ def take(directory):
         return None, f"--checkpoint-dir {directory}: cannot be used ({exc})"
     if error:
         return None, error
-    for leftover in (n for n in os.listdir(directory) if n.startswith(TMP)):
-        path = os.path.join(directory, leftover)
-        try:
-            if theirs(os.lstat(path)):
-                continue  # another user's: not this run's to remove, nor can it be
-            print(f"removing {path}: a save that never finished", file=sys.stderr, flush=True)
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)  # a link or a file: itself, never what a link points to
-        except OSError:
-            pass
+    clear_unfinished(directory)
     return lock, None
 
 
-def writable_by_others(directory):
-    """None, or the message refusing a directory that group or others can write into without the sticky bit:
-    anyone of them could rename this run's files and directories there and put their own in place."""
-    mode = os.stat(directory).st_mode
-    if mode & 0o022 and not mode & stat.S_ISVTX:
-        who = "group and others" if mode & 0o022 == 0o022 else ("its group" if mode & 0o020 else "others")
-        return (f"--checkpoint-dir {directory} can be written by {who} (mode {stat.S_IMODE(mode):o}): they could "
-                f"replace this run's checkpoints and saves. Run `chmod go-w {directory}`, or `chmod +t {directory}` "
-                f"for a shared directory (then only each file's owner may remove or rename it), and run again.")
-    return None
+def clear_unfinished(directory):
+    """Remove the saves of this user's that a crash left unfinished in `directory` (the lock held: no run of this
+    user's is saving there): a .tmp-step-* directory of this user's that still holds the marker a save writes into
+    it first and removes just before publishing it (layout.SAVING, a file of this user's). Anything else so named
+    is set aside: left where it is, with one warning each (owners.Passed), never removed on the strength of its
+    name: a complete checkpoint renamed to a .tmp- name has no marker, nor has another user's entry or a link."""
+    passed = Passed("leaving alone")
+    for leftover in sorted(n for n in os.listdir(directory) if n.startswith(TMP)):
+        path = os.path.join(directory, leftover)
+        try:
+            st = os.lstat(path)
+            if theirs(st):
+                continue  # another user's: not this run's to remove, nor can it be
+            if stat.S_ISDIR(st.st_mode) and _marked(path):
+                print(f"removing {path}: a save that never finished", file=sys.stderr, flush=True)
+                shutil.rmtree(path, ignore_errors=True)  # never follows a link inside it
+                continue
+        except OSError:
+            continue
+        passed.add(path, f"it is named like a save in progress but is not one this code left unfinished (no "
+                         f"{SAVING} of this user's in it): if it is a checkpoint renamed, rename it back to step-N; "
+                         f"if not, remove it yourself")
+    passed.close(directory)
+
+
+def _marked(path):
+    """Whether the directory at `path` holds the marker of a save in progress (layout.SAVING): a regular file of
+    this user's, looked at without following a link."""
+    try:
+        st = os.lstat(os.path.join(path, SAVING))
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and not theirs(st)
 
 
 class DirectoryLock:

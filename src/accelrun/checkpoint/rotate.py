@@ -5,7 +5,8 @@ checkpoints"): only checkpoints this run family wrote, of an older step, that ve
 --keep-last keeps are checked file by file (each once per run), the older ones by their manifest and sizes. A
 step-* link is unlinked, never followed; another user's entries are never touched (owners.py); anything else (a
 planted or damaged look-alike, another engine's or recipe's checkpoint, a later step) is left alone and reported
-once, so that it never takes the place of a real checkpoint, which would then be deleted.
+once, so that it never takes the place of a real checkpoint, which would then be deleted. Nothing is deleted in a
+directory that has become one others could rename entries in (accelrun/trust.py's rule, asked at each rotation).
 """
 
 import os
@@ -13,6 +14,7 @@ import shutil
 import stat
 import sys
 
+from ..trust import refusal
 from .held import HeldCheckpoint
 from .manifest import another_recipe, read_manifest
 from .owners import SHOWN, own_steps, theirs
@@ -29,6 +31,10 @@ class Rotation:
         """Main process, after `final` (step `step`) is published: delete the oldest checkpoints this run family
         wrote beyond --keep-last. Newest first, a checkpoint counts only if it verifies (_problem); a step-* link is
         unlinked, never followed; anything else is left alone and reported once."""
+        problem = refusal(self.scope.directory, "--checkpoint-dir")
+        if problem:  # it became a directory others could rename entries in: nothing there is deleted
+            print(f"warning: --keep-last {self.keep_last}: nothing rotated: {problem}", file=sys.stderr, flush=True)
+            return
         counted, strange = [], []
         for named_step, path in own_steps(self.scope.directory, self.scope.passed):
             if path == final:

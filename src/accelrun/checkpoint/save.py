@@ -2,14 +2,17 @@
 
 Owns the save (docs/checkpoints.md, "How a checkpoint is written"): every rank calls it, as accelerate's save_state
 is collective under DeepSpeed and FSDP (each rank writes its own shards). The main process makes a new directory
-.tmp-step-N.XXXXXXXX (mode 0700, a name no one can plant beforehand); every rank writes its part and its done marker,
+.tmp-step-N.XXXXXXXX (mode 0700, a name no one can plant beforehand), takes its identity and writes the marker of a
+save in progress into it through a descriptor (private_directory); every rank writes its part and its done marker,
 then hashes and syncs its share of the files (files.my_share); the main process gathers the tables, checks every
-marker (a missing one: the directory is not shared between nodes), writes the manifest last and renames the
-directory to step-N, the moment the checkpoint becomes visible, but only if the .tmp directory is still the one it
-made (lstat before the manifest and before the rename: someone who can write into --checkpoint-dir may have
-swapped it for a link). A kill at any moment leaves the earlier checkpoints and at most a .tmp directory; a save
-that fails removes its .tmp directory and leaves the earlier checkpoints untouched. Where another user's entry holds
-step-N (a shared directory with the sticky bit), the save is published as step-N.XXXXXXXX (owners.py).
+done marker (a missing one: the directory is not shared between nodes), writes the manifest last, removes the
+marker of a save in progress and renames the directory to step-N, the moment the checkpoint becomes visible, but
+only if the .tmp directory is still the one it made (before the manifest, the marker and the rename: in a
+directory trust.py accepts no one else can rename it, but a writer trusted with ACCELRUN_TRUST_SHARED_DIRS=1 could
+swap it for a link). A kill at any moment leaves the earlier checkpoints and at most a .tmp directory with the
+marker, which the next run removes (lock.clear_unfinished); a save that fails removes its .tmp directory and leaves
+the earlier checkpoints untouched. Where another user's entry holds step-N (a shared directory with the sticky bit),
+the save is published as step-N.XXXXXXXX (owners.py).
 """
 
 import os
@@ -25,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # FSDP's shard
 
 from ..collectives import main_process_result
 from .files import file_table, fsync, listing, my_share, remove_entry
-from .layout import done_marker, step_name, tmp_prefix
+from .layout import SAVING, done_marker, step_name, tmp_prefix
 from .manifest import write_manifest
 from .owners import theirs
 from .resharding import save_rank_buffers
@@ -38,6 +41,47 @@ def identity(path):
     except OSError:
         return None
     return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+
+def _opened(path):
+    """A descriptor of the directory at `path` itself: a link there is refused (ELOOP/ENOTDIR), never followed."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+
+
+def private_directory(directory, name):
+    """Main process: a new directory .tmp-<name>.XXXXXXXX in `directory` (mode 0700: only this user reaches into
+    it), and its (device, inode), taken through a descriptor: what mkdtemp made must still be a directory of this
+    user's, of mode 0700 and empty, when it is opened (a link swapped in is refused, never followed: its identity
+    was None, and None == None passed every later check). The marker of a save in progress (layout.SAVING) is
+    written into it through that descriptor, first, so that the next run knows a crash's leftover from a
+    checkpoint renamed to look like one (lock.clear_unfinished). Raises OSError."""
+    tmp = tempfile.mkdtemp(prefix=tmp_prefix(name), dir=directory)
+    try:
+        fd = _opened(tmp)
+    except OSError as exc:
+        raise OSError(f"{tmp} was replaced as soon as it was made ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077 or os.listdir(fd):
+            raise OSError(f"{tmp} was replaced as soon as it was made (by a directory that is not the new, empty "
+                          f"one of this user's)")
+        os.close(os.open(SAVING, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd))
+    finally:
+        os.close(fd)
+    return tmp, (st.st_dev, st.st_ino)
+
+
+def unmark(tmp, made):
+    """Main process, just before publishing: remove the marker of a save in progress from `tmp`, through a
+    descriptor of the directory whose identity is `made` (RuntimeError, as _still_ours, when it is another)."""
+    fd = _opened(tmp)
+    try:
+        st = os.fstat(fd)
+        if made is None or (st.st_dev, st.st_ino) != made:
+            raise RuntimeError(f"{tmp} was replaced while this run wrote into it; nothing was published")
+        os.unlink(SAVING, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 class Saver:
@@ -68,8 +112,7 @@ class Saver:
         made, error, tmp = None, None, None
         if acc.is_main_process:
             try:
-                tmp = tempfile.mkdtemp(prefix=tmp_prefix(name), dir=directory)  # mode 0700: only this user
-                made = identity(tmp)
+                tmp, made = private_directory(directory, name)
             except OSError as exc:
                 error = f"saving checkpoint {final} failed: cannot create a directory in {directory} ({exc}); " \
                         f"the earlier checkpoints are untouched"
@@ -120,6 +163,7 @@ class Saver:
                 write_manifest(tmp, {**manifest, "files": files})
                 final = self._free_name(final)
                 self._still_ours(tmp, made, final)
+                unmark(tmp, made)
                 os.replace(tmp, final)  # the moment the checkpoint becomes visible
                 fsync(self.scope.directory)
             except OSError as exc:
@@ -166,7 +210,7 @@ class Saver:
     def _still_ours(self, tmp, made, final):
         """Main process: refuse to publish when `tmp` is no longer the directory this save created (someone
         replaced it, e.g. by a link, while the ranks wrote into it)."""
-        if identity(tmp) != made:
+        if made is None or identity(tmp) != made:
             raise RuntimeError(f"saving checkpoint {final} failed: {tmp} was replaced while this run wrote into it "
                                f"(someone else writes into {self.scope.directory}); nothing was published. Use a "
                                f"--checkpoint-dir only you can write to (chmod go-w), and check the files there")
