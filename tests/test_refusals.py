@@ -136,3 +136,37 @@ def test_deepspeed_config_may_not_contradict_the_flags(launch, tmp_path):
     assert run.returncode != 0
     assert "gradient_accumulation_steps=4" in run.output and "remove those keys" in run.output
     assert "DATA:" not in run.output, run.output[-3000:]  # refused before the data loads (issue 41, item 3)
+
+
+def test_a_resume_whose_batch_does_not_split_is_told_only_the_resumes_way(tmp_path, monkeypatch):
+    """Issue 53, item 11: a 1-process checkpoint of --batch-size 128 resumed on 3 processes was told "give
+    --batch-size 126 for a new run; a resume keeps ...": the first half, followed, was refused 44 s later (batch_size
+    128 vs 126). Where --checkpoint-dir holds checkpoints (or --resume names one) the line gives the resume's way
+    alone, and each process count it names splits the batch; a new run still gets the other --batch-size."""
+    import re
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from accelrun import refusals
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-00000050").mkdir(parents=True)
+    said = []
+    monkeypatch.setattr(refusals, "fail", lambda accelerator, message, everyone=False: said.append(message))
+    three = SimpleNamespace(num_processes=3, parallelism_config=None)
+    refusals.check_batch(three, 128, 1, None, Namespace(resume="auto", checkpoint_dir=str(ckpt)))
+    assert len(said) == 1 and "for a new run" not in said[0] and "--batch-size 126" not in said[0], said
+    assert said[0] == (f"--batch-size 128 is the global batch of one optimizer step and must divide by processes x "
+                       f"--grad-accum = 3: this run resumes {ckpt}, which keeps its --batch-size, so launch 1, 2, 4 "
+                       f"or 8 processes (accelerate launch --num_processes N)")
+    for n in map(int, re.findall(r"\d+", re.search(r"launch ([\d, or]+) processes", said[0]).group(1))):
+        assert refusals.batch_problem(n, 128, 1, None, str(ckpt)) is None
+    step = str(ckpt / "step-00000050")
+    assert f"this run resumes {step}, which keeps" in refusals.batch_problem(
+        3, 128, 1, None, refusals.resumed_from(Namespace(resume=step, checkpoint_dir=None)))
+    for new_run in (Namespace(resume="auto", checkpoint_dir=str(tmp_path / "empty")),
+                    Namespace(resume="auto", checkpoint_dir=None), Namespace(resume="none", checkpoint_dir=str(ckpt))):
+        assert refusals.resumed_from(new_run) is None
+    (tmp_path / "empty").mkdir()
+    refusals.check_batch(three, 128, 1, None, Namespace(resume="auto", checkpoint_dir=str(tmp_path / "empty")))
+    assert "give --batch-size 126 for a new run" in said[1]

@@ -119,21 +119,40 @@ def check_sequence_parallel(accelerator, supported):
         fail(accelerator, sequence_parallel_refusal(size), everyone=True)
 
 
-def check_batch(accelerator, batch_size, grad_accum=1, eval_batch_size=None):
+def check_batch(accelerator, batch_size, grad_accum=1, eval_batch_size=None, args=None):
     """The global batch of one optimizer step must split evenly over the processes that read different data (all
-    of them, or under sequence parallelism each group of them) x accumulation steps."""
+    of them, or under sequence parallelism each group of them) x accumulation steps. args: the run's flags, which
+    say whether it resumes a checkpoint (resumed_from)."""
     readers = accelerator.num_processes // sequence_parallel_size(accelerator)
-    problem = batch_problem(readers, batch_size, grad_accum, eval_batch_size)
+    problem = batch_problem(readers, batch_size, grad_accum, eval_batch_size, resumed_from(args))
     if problem:
         fail(accelerator, problem, everyone=True)
 
 
-def batch_problem(world, batch_size, grad_accum=1, eval_batch_size=None):
-    """None, or why the batches do not split over `world` processes, with the two ways out: another --batch-size for
-    a new run, or (for a resume, which keeps its checkpoint's --batch-size) a number of processes that divides it."""
+def resumed_from(args):
+    """None for a new run; else what the run resumes, for batch_problem's hint: --resume PATH, or the
+    --checkpoint-dir that holds checkpoints (step-* entries; which one, and whether it is usable, is settled later)."""
+    if args is None or args.resume == "none":
+        return None
+    if args.resume != "auto":
+        return args.resume
+    if args.checkpoint_dir:
+        from .checkpoint.layout import steps
+        return args.checkpoint_dir if steps(args.checkpoint_dir) else None
+    return None
+
+
+def batch_problem(world, batch_size, grad_accum=1, eval_batch_size=None, resuming=None):
+    """None, or why the batches do not split over `world` processes, with the way out: another --batch-size for a new
+    run; for a resume (`resuming`: the checkpoint or the --checkpoint-dir holding some), which keeps its checkpoint's
+    --batch-size, only a number of processes that divides it (another --batch-size would be refused next)."""
     good = world * grad_accum
     problems = []
-    if batch_size % good:
+    if batch_size % good and resuming:
+        problems.append(f"--batch-size {batch_size} is the global batch of one optimizer step and must divide by "
+                        f"processes x --grad-accum = {good}: this run resumes {resuming}, which keeps its "
+                        f"--batch-size, so {processes_hint(batch_size, grad_accum, world)}")
+    elif batch_size % good:
         problems.append(f"--batch-size {batch_size} is the global batch of one optimizer step and must divide by "
                         f"processes x --grad-accum = {good}: give --batch-size {max(good, batch_size // good * good)} "
                         f"for a new run; a resume keeps its checkpoint's --batch-size, so "

@@ -114,7 +114,7 @@ class Run:
         quiet_deprecated_collectives()
         if refuse_offload:
             refuse_optimizer_offload(accelerator, *refuse_offload)
-        check_batch(accelerator, batch_size, self.grad_accum, eval_batch_size)
+        check_batch(accelerator, batch_size, self.grad_accum, eval_batch_size, self.args)
         deepspeed_clip_like(accelerator, max_grad_norm)
         check_deepspeed_flags(accelerator, self.grad_accum, max_grad_norm, prepared=False)
         fsdp_reduce_in_fp32(accelerator)
