@@ -170,3 +170,23 @@ def test_a_resume_whose_batch_does_not_split_is_told_only_the_resumes_way(tmp_pa
     (tmp_path / "empty").mkdir()
     refusals.check_batch(three, 128, 1, None, Namespace(resume="auto", checkpoint_dir=str(tmp_path / "empty")))
     assert "give --batch-size 126 for a new run" in said[1]
+
+
+def test_a_data_dir_that_does_not_exist_is_named_in_one_line(tmp_path):
+    """Issue 53, item 12: `mnist.py --data-dir /nonexistent` trained on synthetic digits (exit 0) with a DATA line
+    naming a download error, not the missing directory. A --data-dir that is named must exist: one line, exit 2,
+    before anything is imported or built. The documented fallbacks stay: without --data-dir (data/, created), and
+    with --data synthetic, which writes the digits there."""
+    import mnist
+    from in_process import run_main
+    missing = tmp_path / "nonexistent"
+    code, output = run_main("mnist", ["--data-dir", missing, "--output-dir", tmp_path / "out"])
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, output  # the program's name is pytest's here
+    assert lines[0].split(": ", 1)[1].startswith(
+        f"error: --data-dir {missing}: no such directory. Give the directory that holds MNIST (MNIST/raw/), create it "
+        f"first for a download into it, or leave --data-dir out (data/; offline, synthetic digits)"), output
+    assert not missing.exists() and not (tmp_path / "out").exists()
+    assert mnist.parse_args(["--data", "synthetic", "--data-dir", str(missing)]).data_dir == str(missing)
+    assert mnist.parse_args([]).data_dir == "data" and mnist.data_dir_problem(mnist.parse_args([])) is None
+    assert mnist.parse_args(["--data-dir", str(tmp_path)]).data_dir == str(tmp_path)
