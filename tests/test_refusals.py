@@ -190,3 +190,49 @@ def test_a_data_dir_that_does_not_exist_is_named_in_one_line(tmp_path):
     assert mnist.parse_args(["--data", "synthetic", "--data-dir", str(missing)]).data_dir == str(missing)
     assert mnist.parse_args([]).data_dir == "data" and mnist.data_dir_problem(mnist.parse_args([])) is None
     assert mnist.parse_args(["--data-dir", str(tmp_path)]).data_dir == str(tmp_path)
+
+
+def test_the_small_ones_each_say_it_once_and_right(monkeypatch, capsys, tmp_path):
+    """Issue 53, item 14: `--loss-chunks 0` or a negative count was taken silently; forgetting ACCELERATE_USE_CPU=1
+    printed its error once per rank (every process, set up alone, was accelerate's main process); a resume said
+    "written by 1 processes"."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from accelrun import refusals
+    from accelrun.checkpoint import load
+    from finetune_lm import parse_args
+
+    for count in ("0", "-2", "two"):
+        with pytest.raises(SystemExit) as refused:
+            parse_args(["--model", "m", "--data-files", "d", "--loss-chunks", count])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert refused.value.code == 2 and len(lines) == 1, lines
+        assert f"--loss-chunks: {count!r}: give a whole number of chunks, 1 or more (1: the plain loss)" in lines[0]
+    assert parse_args(["--model", "m", "--data-files", "d", "--loss-chunks", "1"]).loss_chunks == 1
+
+    monkeypatch.setattr(refusals, "teardown", lambda accelerator, code: code)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    alone = SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO, is_main_process=True)
+    said = []
+    for rank in ("0", "1"):  # two processes of `accelerate launch --config_file 2gpu.yaml` on a CPU, each alone
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(SystemExit) as refused:
+            refusals.check_launch(alone)
+        assert refused.value.code == 2
+        said.append(capsys.readouterr().err)
+    assert said[0].startswith("error: the launcher started 2 processes, but accelerate set up 1") and said[1] == ""
+    assert "ACCELERATE_USE_CPU=1" in said[0] and said[0].count("\n") == 1
+
+    class Held:
+        def replaced(self):
+            return []
+
+        def close(self):
+            pass
+    acc = SimpleNamespace(is_main_process=True, num_processes=2)
+    for world, words in ((1, "written by 1 process;"), (2, "written by 2 processes;")):
+        load._loaded(acc, Held(), "ckpt/step-00000003", {"step": 3, "layout": {"world_size": world}}, [], (0.1, 0.2))
+        assert words in capsys.readouterr().out

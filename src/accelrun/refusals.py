@@ -19,7 +19,7 @@ from accelerate.utils import DistributedType
 
 from .checkpoint.rules import processes_hint
 from .engines import deepspeed_config, engine_facts, sequence_parallel_size
-from .exits import fail, report
+from .exits import fail, report, teardown
 
 ON_A_CPU = "docs/configs.md, 'On a CPU'"
 CPU_HINT = ("To run several processes on a CPU-only machine, set ACCELERATE_USE_CPU=1 for DDP configs; "
@@ -97,17 +97,25 @@ def on_cpu_route():
 
 
 def check_launch(accelerator):
-    """Refuse to train as silent independent copies, or without the engine the config asked for."""
+    """Refuse to train as silent independent copies, or without the engine the config asked for. Said once, by the
+    launch's rank 0 (RANK): processes that each set up alone are each accelerate's main process."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != launched or (launched > 1 and accelerator.distributed_type == DistributedType.NO):
-        fail(accelerator, f"the launcher started {launched} processes, but accelerate set up "
-                          f"{accelerator.num_processes} ({accelerator.distributed_type}): each would train "
-                          f"alone. {CPU_HINT}")
+        _refuse_launch(accelerator, f"the launcher started {launched} processes, but accelerate set up "
+                                    f"{accelerator.num_processes} ({accelerator.distributed_type}): each would train "
+                                    f"alone. {CPU_HINT}")
     for env, wanted in (("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED),
                         ("ACCELERATE_USE_FSDP", DistributedType.FSDP)):
         if os.environ.get(env, "false").lower() == "true" and accelerator.distributed_type != wanted:
-            fail(accelerator, f"the config asks for {wanted.value} but accelerate is running "
-                              f"{accelerator.distributed_type.value}. {CPU_HINT}")
+            _refuse_launch(accelerator, f"the config asks for {wanted.value} but accelerate is running "
+                                        f"{accelerator.distributed_type.value}. {CPU_HINT}")
+
+
+def _refuse_launch(accelerator, message):
+    """fail() for a launch accelerate did not set up as launched: the line from the launch's rank 0 only (each
+    process alone was its own main process, and the line came once per rank), exit 2 from every one."""
+    report(message, os.environ.get("RANK", "0") == "0")
+    sys.exit(teardown(accelerator, 2))
 
 
 def check_sequence_parallel(accelerator, supported):
