@@ -71,12 +71,13 @@ def precision_source(facts, environ=os.environ, launch_argv=None):
     another with --mixed_precision, that the JSON overrode the flag (a CPU without bf16 instructions ran 4.5x slower
     than the fp32 it was asked for); in half precision, the fp32 JSON shipped beside it. "" otherwise.
     accelerate launch passes the flag on as ACCELERATE_MIXED_PRECISION, "no" when it was not given either: whether it
-    was typed is read from the launcher's command line (launch_argv; None: the parent process's, where readable)."""
+    was typed is read from the launcher's command line (launch_argv; None: the parent process's, where readable);
+    where that cannot be told (srun, torchrun), the line says only that the JSON set the precision."""
     json_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
     if facts["distributed_type"] != DistributedType.DEEPSPEED.value or not json_file:
         return ""
     asked, precision = environ.get("ACCELERATE_MIXED_PRECISION", "").lower(), facts["mixed_precision"]
-    overridden = asked not in ("", precision) and mixed_precision_flag_given(launch_argv) is not False
+    overridden = asked not in ("", precision) and mixed_precision_flag_given(launch_argv) is True
     source = (f"--mixed_precision {asked} overridden by {json_file}" if overridden else
               f"set by {json_file}, not by --mixed_precision")
     if precision == "no":
