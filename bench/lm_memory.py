@@ -29,6 +29,7 @@ import argparse
 
 import torch
 
+from accelrun.finetune.loss_flags import DEFAULT_CHUNKS
 from accelrun.finetune.qlora import NF4_BYTES
 
 # name: (config class, its arguments): the published shapes
@@ -104,26 +105,33 @@ def table(gpus=2, gpu_gb=80.0, tokens=4096, lora_r=0):
 
 
 # The jobs of docs/recipes.md's long-context table (--jobs): every job with --gradient-checkpointing and the loss in
-# DEFAULT_CHUNKS chunks, one sequence per data-parallel rank. QLoRA's base: NF4 with double quantisation, 4 bits plus
-# an 8-bit scale per 64 weights plus an fp32 scale per 256 of those (0.516 bytes per weight: NF4_BYTES, defined where
-# finetune_lm.py's --load-in-4bit quantises) on the decoder's linear layers; the embedding, the output layer and the
-# norms stay bf16.
-DEFAULT_CHUNKS = 8
-JOB_MODELS = {"8B": "Llama-3.1-8B", "14B": "Qwen2.5-14B", "32B": "Qwen2.5-32B", "70B": "Llama-3.1-70B"}
+# DEFAULT_CHUNKS chunks (finetune_lm.py's default --loss-chunks), one sequence per data-parallel rank. QLoRA's base:
+# NF4 with double quantisation, 4 bits plus an 8-bit scale per 64 weights plus an fp32 scale per 256 of those (0.516
+# bytes per weight: NF4_BYTES, defined where finetune_lm.py's --load-in-4bit quantises) on the decoder's linear
+# layers; the embedding, the output layer and the norms stay bf16.
+JOB_MODELS = {"8B": "meta-llama/Llama-3.1-8B", "14B": "Qwen/Qwen2.5-14B", "32B": "Qwen/Qwen2.5-32B",
+              "70B": "meta-llama/Llama-3.1-70B"}
 JOBS = ("full", "LoRA", "QLoRA")
+LORA_R = 16
+# The flags each job's plan assumes, in every cell: what a cell copied as printed runs is what was planned (LoRA's
+# --lr is docs/recipes.md's, not a memory matter).
+JOB_FLAGS = {"full": "--gradient-checkpointing", "LoRA": f"--gradient-checkpointing --lora-r {LORA_R} --lr 2e-4",
+             "QLoRA": f"--gradient-checkpointing --lora-r {LORA_R} --lr 2e-4 --load-in-4bit"}
+COMMAND = ("accelerate launch --config_file accelerate_configs/CONFIG recipes/finetune_lm.py --model MODEL "
+           "--data-files DATA")
 LENGTHS = (2048, 8192, 32768)
 SHARDED = {"fsdp": "accelerate_configs/fsdp.yaml", "sp2": "accelerate_configs/deepspeed_zero3_sp2.yaml"}
 
 
-def job_parts(name, job, length, sp=1, gpus=2, chunks=DEFAULT_CHUNKS, lora_r=16):
+def job_parts(name, job, length, sp=1, gpus=2, chunks=DEFAULT_CHUNKS, lora_r=LORA_R):
     """GB per GPU of one job with the states sharded over `gpus` (FSDP2 or ZeRO-3, bf16 compute) and one sequence of
     `length` tokens per data-parallel rank, `sp` GPUs sharing it: {model states, the bf16 layers gathered (the one
     computing and the one prefetched), layer activations with gradient checkpointing, logits}."""
-    n, s = parameters(name)
+    n, s = parameters(name.split("/")[-1])
     return shape_parts(n, s, job, length, sp, gpus, chunks, lora_r)
 
 
-def shape_parts(n, s, job, length, sp=1, gpus=2, chunks=DEFAULT_CHUNKS, lora_r=16):
+def shape_parts(n, s, job, length, sp=1, gpus=2, chunks=DEFAULT_CHUNKS, lora_r=LORA_R):
     """job_parts for a model of n parameters and the shape s (a config's hidden_size, intermediate_size,
     num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size): the GPU pack's tiny model too."""
     d, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
@@ -151,9 +159,14 @@ def job_plan(size, job, length, gpus=2, gpu_gb=80.0):
 
 
 def jobs_table(gpus=2, gpu_gb=80.0):
-    """docs/recipes.md's table: for each model, job and length, the config and flags that fit (GB per GPU), or the
-    part that breaks the budget (the largest), with the GB per GPU. QLoRA's rows are the planner's alone."""
-    lines = [f"| job | {' | '.join(f'{n // 1024}k tokens' for n in LENGTHS)} |", "|---|---|---|---|"]
+    """docs/recipes.md's table: for each model, job and length, the config and every flag of the run that fits (GB
+    per GPU), or the part that breaks the budget (the largest), with the GB per GPU; above it, the command each cell
+    completes. QLoRA's rows are the planner's alone."""
+    models = ", ".join(f"{size} `{model}`" for size, model in JOB_MODELS.items())
+    lines = [f"Each cell that fits completes `{COMMAND}` (CONFIG and the flags: the cell's; MODEL: the row's, "
+             f"{models}), with every flag its plan assumes; each that does not names the largest part "
+             f"(GB per GPU, {gpus} GPUs of {gpu_gb:.0f} GB):", "",
+             f"| job | {' | '.join(f'{n // 1024}k tokens' for n in LENGTHS)} |", "|---|---|---|---|"]
     for size in JOB_MODELS:
         for job in JOBS:
             cells = []
@@ -161,8 +174,9 @@ def jobs_table(gpus=2, gpu_gb=80.0):
                 key, parts = job_plan(size, job, length, gpus, gpu_gb)
                 total = sum(parts.values())
                 if key:
-                    flags = "--batch-size 2" if key == "fsdp" else "--batch-size 1 --no-packing"
-                    cells.append(f"{total:.0f} GB: `{SHARDED[key].split('/')[-1]} --block-size {length} {flags}`")
+                    batch = "--batch-size 2" if key == "fsdp" else "--batch-size 1 --no-packing"
+                    cells.append(f"{total:.0f} GB: `{SHARDED[key].split('/')[-1]} --block-size {length} {batch} "
+                                 f"{JOB_FLAGS[job]}`")
                 else:
                     worst = max(parts, key=parts.get)
                     cells.append(f"**no** ({total:.0f} GB): {worst} {parts[worst]:.1f} GB")

@@ -317,7 +317,8 @@ def export(weights, model, accelerator, tokenizer, args, output_dir, base_weight
 
 def main(argv=None):
     args = parse_args(argv)
-    run = Run("finetune_lm", args, unit="tokens", may_change=AFTER_TRAINING)  # first: a stop may come during start-up
+    # first: a stop may come during start-up; sequence parallelism is this recipe's (other recipes refuse it there)
+    run = Run("finetune_lm", args, unit="tokens", may_change=AFTER_TRAINING, sequence_parallel=True)
     config, n_params, tokenizer, error = load_config_and_tokenizer(args.model)
     # Before from_pretrained: transformers reads ZeRO-3's settings from the Accelerator to load partitioned.
     accelerator = Accelerator(  # accelerate
@@ -329,7 +330,7 @@ def main(argv=None):
         # non_blocking with pinned batches: the copy to the GPU is queued, the host does not wait for the GPU
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, non_blocking=True))
     run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm,
-              default_output_dir=default_output_dir(args, accelerator), sequence_parallel=True)
+              default_output_dir=default_output_dir(args, accelerator))
     set_seed(args.seed)
     if error:
         run.fail(error)

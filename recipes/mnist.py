@@ -36,7 +36,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", choices=["auto", "mnist", "synthetic"], default="auto",
                    help="auto: real MNIST if present or downloadable, else synthetic digits (saying why)")
-    p.add_argument("--data-dir", default="data", help="where MNIST lives or is downloaded to")
+    p.add_argument("--data-dir", default=DefaultDir("data"),
+                   help="where MNIST lives or is downloaded to (a directory you name must exist, unless --data "
+                        "synthetic writes the digits there); the default is created")
     p.add_argument("--synthetic-train-size", type=int, default=20000, help="training images when synthetic")
     p.add_argument("--synthetic-test-size", type=int, default=5000, help="test images when synthetic")
     p.add_argument("--epochs", type=int, default=3, help="passes over the training set")
@@ -56,7 +58,23 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=int, default=300,
                    help="seconds a collective waits for a missing rank before the run fails")
     add_run_args(p, "mnist", log_every=50)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if problem := data_dir_problem(args):
+        p.error(problem)
+    return args
+
+
+class DefaultDir(str):
+    """--data-dir when not given: told apart from a directory the user names."""
+
+
+def data_dir_problem(args):
+    """None, or the line for a --data-dir that was named and does not exist: --data auto took the missing directory
+    for MNIST not downloaded yet, and trained on synthetic digits whose DATA line named a download error."""
+    if isinstance(args.data_dir, DefaultDir) or args.data == "synthetic" or os.path.isdir(args.data_dir):
+        return None
+    return (f"--data-dir {args.data_dir}: no such directory. Give the directory that holds MNIST (MNIST/raw/), "
+            f"create it first for a download into it, or leave --data-dir out (data/; offline, synthetic digits)")
 
 
 if __name__ == "__main__":

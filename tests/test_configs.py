@@ -87,6 +87,53 @@ def test_the_first_line_says_where_deepspeeds_precision_comes_from():
         os.chdir(cwd)
 
 
+def test_the_first_line_says_that_the_json_overrode_mixed_precision_no():
+    """Issue 53, item 10: `--mixed_precision no` under DeepSpeed trained in the JSON's bf16 (4.5x slower on a CPU
+    without bf16 units) and the first line named the JSON and its fp32 twin, not that the flag was overridden. Now
+    it says so; without the flag (accelerate launch passes "no" then too) it says where the precision came from."""
+    from accelrun.engines import mixed_precision_flag_given, precision_source
+    env = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "accelerate_configs/deepspeed_zero2.json",
+           "ACCELERATE_MIXED_PRECISION": "no"}
+    typed = ["/venv/bin/accelerate", "launch", "--config_file", "accelerate_configs/deepspeed_zero2.yaml",
+             "--mixed_precision", "no", "recipes/mnist.py"]
+    bf16 = {"distributed_type": "DEEPSPEED", "mixed_precision": "bf16"}
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        assert precision_source(bf16, env, typed) == (
+            " (--mixed_precision no overridden by accelerate_configs/deepspeed_zero2.json; fp32: "
+            "--deepspeed_config_file accelerate_configs/deepspeed_zero2_fp32.json)")
+        untyped = [arg for arg in typed if arg not in ("--mixed_precision", "no")]
+        assert precision_source(bf16, env, untyped) == (
+            " (set by accelerate_configs/deepspeed_zero2.json, not by --mixed_precision; fp32: "
+            "--deepspeed_config_file accelerate_configs/deepspeed_zero2_fp32.json)")
+        fp32_json = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "accelerate_configs/deepspeed_zero2_fp32.json",
+                     "ACCELERATE_MIXED_PRECISION": "bf16"}
+        assert precision_source({**bf16, "mixed_precision": "no"}, fp32_json, typed[:4] + ["--mixed_precision=bf16"]) \
+            == " (--mixed_precision bf16 overridden by accelerate_configs/deepspeed_zero2_fp32.json)"
+        assert precision_source({**bf16, "mixed_precision": "no"}, {**env, **fp32_json, "ACCELERATE_MIXED_PRECISION":
+                                                                        "no"}, typed) == ""
+    finally:
+        os.chdir(cwd)
+    assert mixed_precision_flag_given(typed) is True and mixed_precision_flag_given(untyped) is False
+
+
+def test_the_cpu_commands_take_the_fp32_twin_jsons():
+    """Issue 53, item 10: the README's DeepSpeed command for a CPU took the bf16 JSON (several times slower than fp32
+    on a CPU without bf16 units). Every DeepSpeed command on the CPU route in README.md and docs/ names the config's
+    _fp32 twin as --deepspeed_config_file."""
+    commands = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = page.read_text(encoding="utf-8").replace("\\\n", " ")
+        commands += [(page.name, line) for line in text.splitlines()
+                     if re.search(r"PYTHONPATH=cpu_route accelerate launch .*deepspeed_zero\w*\.yaml", line)]
+    assert len(commands) >= 3, commands
+    for page, line in commands:
+        config = re.search(r"(deepspeed_zero\w*)\.yaml", line).group(1)
+        twin = "deepspeed_zero3" if config == "deepspeed_zero3_sp2" else config
+        assert f"--deepspeed_config_file accelerate_configs/{twin}_fp32.json" in line, (page, line)
+
+
 @pytest.mark.parametrize("config", YAML_FILES)
 def test_every_key_has_a_comment(config):
     for line in (CONFIG_DIR / config).read_text().splitlines():

@@ -394,3 +394,75 @@ def test_the_held_out_split_is_made_before_packing(tiny):
 
 def test_no_packing_on_plain_text_is_one_message(tiny):
     assert "plain text has no examples" in refusal(tiny, "text.txt", "--no-packing")
+
+
+@pytest.fixture
+def library_log():
+    """What `datasets` and huggingface_hub log while the test runs (their loggers print to the terminal)."""
+    import logging
+    said = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+    handler = Collect()
+    loggers = [logging.getLogger(name) for name in ("datasets", "huggingface_hub")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield said
+    for logger in loggers:
+        logger.removeHandler(handler)
+
+
+def test_each_data_error_is_the_projects_one_line(tiny, library_log):
+    """Issue 53, item 12: a malformed line 6 printed `datasets`' own "Failed to load JSON ... JSON parse error ... in
+    row 5" before the project's "line 6"; an empty file said "line 1: not JSON". Issue 52: a chat record nested
+    100,000 deep ended in a RecursionError (here pyarrow's reader crashed the process). Each is now one line, the
+    project's, at once."""
+    pairs = [{"prompt": p, "response": r} for p, r in corpus(40)]
+    name = write_jsonl(tiny / "no_comma.jsonl", pairs, {6: '{"prompt": "what is 2 plus 2?" "response": "4"}'})
+    message = refusal(tiny, name)
+    assert message.startswith(f"{tiny / name}, line 6: not a JSON record (Expecting ',' delimiter)"), message
+    assert not [line for line in library_log if "JSON" in line or "row 5" in line], library_log
+    (tiny / "empty.jsonl").write_text("\n")
+    assert refusal(tiny, "empty.jsonl") == (f"{tiny / 'empty.jsonl'} is empty: it holds no records; give a file with "
+                                            f"one record a line, or leave it out")
+    records = [{"messages": c} for c in conversations(30)]
+    deep = '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    name = write_jsonl(tiny / "deep.jsonl", records[:4] + [{}] + records[4:], {5: deep})
+    assert refusal(tiny, name) == (f"{tiny / name}, line 5: a record nested more than 100 deep (lists and objects); "
+                                   f"a fine-tune's records are a few levels deep: fix or remove that line")
+    from accelrun.finetune.records import depth_problem, record_problem
+    assert record_problem(deep) == "nested more than 100 deep"  # json's RecursionError, named
+    assert depth_problem(str(tiny / "chat.jsonl")) is None
+    name = write_jsonl(tiny / "brackets.jsonl", [{"text": "[" * 500 + "{" * 500}, {"list": [[1, [2]], {"a": [3]}]}])
+    assert depth_problem(str(tiny / name)) is None  # brackets inside strings are text, not nesting
+
+
+def test_an_unreachable_hub_is_one_line_without_retries(tiny, library_log, monkeypatch):
+    """Issue 53, item 12: a hub id with the hub unreachable printed 10 retry lines over 37 s (five tries of each file,
+    two lines each) before its one line. The hub is asked once (records.offline_unless_the_hub_answers); unanswered,
+    the libraries go offline: --model and --dataset each end in one line, with no retry."""
+    import socket
+
+    import datasets
+    from huggingface_hub import constants
+
+    from accelrun.finetune.pretrained import load_config_and_tokenizer
+    from accelrun.finetune.records import offline_unless_the_hub_answers
+    with socket.socket() as probe:  # a port nothing listens on: refused at once
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    why = offline_unless_the_hub_answers()
+    assert why.startswith(f"http://127.0.0.1:{port} did not answer within 5 s ("), why
+    assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE and constants.is_offline_mode()
+    assert offline_unless_the_hub_answers() == "HF_HUB_OFFLINE is set"  # asked once
+    error = load_config_and_tokenizer("someorg/no-such-model")[3]
+    assert error.startswith("cannot load model 'someorg/no-such-model' (") and "\n" not in error, error
+    message = refusal(tiny, "chat.jsonl", "--dataset", "someorg/no-such-data")
+    assert message.startswith("could not load --dataset 'someorg/no-such-data' (") and "\n" not in message, message
+    assert not [line for line in library_log if "Retry" in line or "thrown while requesting" in line], library_log

@@ -10,6 +10,8 @@ from launching import REPO
 sys.path.insert(0, str(REPO / "bench"))
 import lm_memory  # noqa: E402
 
+sys.path.insert(0, str(REPO / "recipes"))
+
 
 def test_the_parts_of_an_8b_full_fine_tune_at_32k_tokens():
     """The issue's figures: 8B model states 64.2 GB per GPU under FSDP2 on 2 GPUs, logits 42.0 GB at 32k tokens
@@ -28,3 +30,40 @@ def test_the_parts_of_an_8b_full_fine_tune_at_32k_tokens():
 
 def test_the_docs_table_is_the_planners():
     assert lm_memory.jobs_table() in (REPO / "docs" / "recipes.md").read_text()
+
+
+def test_each_cell_copied_as_printed_runs_what_was_planned():
+    """Issue 53, item 13: a cell read `fsdp.yaml --block-size 2048 --batch-size 2` while the plan assumed
+    --gradient-checkpointing, --lora-r 16 and --load-in-4bit: copied as printed, the 8B full cell ran without
+    gradient checkpointing. Each cell that fits, completed as the line above the table says, parses (finetune_lm.py's
+    own parser) into the run the planner planned: its config, block, batch, checkpointing, LoRA rank, 4-bit base and
+    loss chunks."""
+    import re
+    import shlex
+
+    from finetune_lm import parse_args
+
+    table = lm_memory.jobs_table()
+    command = re.search(r"completes `([^`]+)`", table).group(1)
+    assert command == ("accelerate launch --config_file accelerate_configs/CONFIG recipes/finetune_lm.py --model MODEL "
+                       "--data-files DATA")
+    cells = 0
+    for size, model in lm_memory.JOB_MODELS.items():
+        assert f"{size} `{model}`" in table.split("\n")[0]
+        for job in lm_memory.JOBS:
+            row = next(line for line in table.splitlines() if line.startswith(f"| {size} {job} |"))
+            for length, cell in zip(lm_memory.LENGTHS, row.strip("| ").split(" | ")[1:]):
+                key, parts = lm_memory.job_plan(size, job, length)
+                if key is None:
+                    assert cell.startswith("**no**"), cell
+                    continue
+                config, *flags = shlex.split(re.search(r"`([^`]+)`", cell).group(1))
+                assert f"accelerate_configs/{config}" == lm_memory.SHARDED[key]
+                assert (REPO / lm_memory.SHARDED[key]).is_file()
+                args = parse_args(["--model", model, "--data-files", "DATA", *flags])
+                assert args.block_size == length and args.gradient_checkpointing, cell
+                assert args.lora_r == (0 if job == "full" else lm_memory.LORA_R), cell
+                assert args.load_in_4bit == (job == "QLoRA"), cell
+                assert args.loss_chunks == 8 and args.packing == (key == "fsdp"), cell
+                cells += 1
+    assert cells == 25  # 8B 9, 14B 6, 32B 6, 70B 4

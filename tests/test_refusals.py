@@ -133,3 +133,103 @@ def test_deepspeed_config_may_not_contradict_the_flags(launch, tmp_path):
     assert run.returncode != 0
     assert "gradient_accumulation_steps=4" in run.output and "remove those keys" in run.output
     assert "DATA:" not in run.output, run.output[-3000:]  # refused before the data loads (issue 41, item 3)
+
+
+def test_a_resume_whose_batch_does_not_split_is_told_only_the_resumes_way(tmp_path, monkeypatch):
+    """Issue 53, item 11: a 1-process checkpoint of --batch-size 128 resumed on 3 processes was told "give
+    --batch-size 126 for a new run; a resume keeps ...": the first half, followed, was refused 44 s later (batch_size
+    128 vs 126). Where --checkpoint-dir holds checkpoints (or --resume names one) the line gives the resume's way
+    alone, and each process count it names splits the batch; a new run still gets the other --batch-size."""
+    import re
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from accelrun import refusals
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-00000050").mkdir(parents=True)
+    said = []
+    monkeypatch.setattr(refusals, "fail", lambda accelerator, message, everyone=False: said.append(message))
+    three = SimpleNamespace(num_processes=3, parallelism_config=None)
+    refusals.check_batch(three, 128, 1, None, Namespace(resume="auto", checkpoint_dir=str(ckpt)))
+    assert len(said) == 1 and "for a new run" not in said[0] and "--batch-size 126" not in said[0], said
+    assert said[0] == (f"--batch-size 128 is the global batch of one optimizer step and must divide by processes x "
+                       f"--grad-accum = 3: this run resumes {ckpt}, which keeps its --batch-size, so launch 1, 2, 4 "
+                       f"or 8 processes (accelerate launch --num_processes N)")
+    for n in map(int, re.findall(r"\d+", re.search(r"launch ([\d, or]+) processes", said[0]).group(1))):
+        assert refusals.batch_problem(n, 128, 1, None, str(ckpt)) is None
+    step = str(ckpt / "step-00000050")
+    assert f"this run resumes {step}, which keeps" in refusals.batch_problem(
+        3, 128, 1, None, refusals.resumed_from(Namespace(resume=step, checkpoint_dir=None)))
+    for new_run in (Namespace(resume="auto", checkpoint_dir=str(tmp_path / "empty")),
+                    Namespace(resume="auto", checkpoint_dir=None), Namespace(resume="none", checkpoint_dir=str(ckpt))):
+        assert refusals.resumed_from(new_run) is None
+    (tmp_path / "empty").mkdir()
+    refusals.check_batch(three, 128, 1, None, Namespace(resume="auto", checkpoint_dir=str(tmp_path / "empty")))
+    assert "give --batch-size 126 for a new run" in said[1]
+
+
+def test_a_data_dir_that_does_not_exist_is_named_in_one_line(tmp_path):
+    """Issue 53, item 12: `mnist.py --data-dir /nonexistent` trained on synthetic digits (exit 0) with a DATA line
+    naming a download error, not the missing directory. A --data-dir that is named must exist: one line, exit 2,
+    before anything is imported or built. The documented fallbacks stay: without --data-dir (data/, created), and
+    with --data synthetic, which writes the digits there."""
+    import mnist
+    from in_process import run_main
+    missing = tmp_path / "nonexistent"
+    code, output = run_main("mnist", ["--data-dir", missing, "--output-dir", tmp_path / "out"])
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, output  # the program's name is pytest's here
+    assert lines[0].split(": ", 1)[1].startswith(
+        f"error: --data-dir {missing}: no such directory. Give the directory that holds MNIST (MNIST/raw/), create it "
+        f"first for a download into it, or leave --data-dir out (data/; offline, synthetic digits)"), output
+    assert not missing.exists() and not (tmp_path / "out").exists()
+    assert mnist.parse_args(["--data", "synthetic", "--data-dir", str(missing)]).data_dir == str(missing)
+    assert mnist.parse_args([]).data_dir == "data" and mnist.data_dir_problem(mnist.parse_args([])) is None
+    assert mnist.parse_args(["--data-dir", str(tmp_path)]).data_dir == str(tmp_path)
+
+
+def test_the_small_ones_each_say_it_once_and_right(monkeypatch, capsys, tmp_path):
+    """Issue 53, item 14: `--loss-chunks 0` or a negative count was taken silently; forgetting ACCELERATE_USE_CPU=1
+    printed its error once per rank (every process, set up alone, was accelerate's main process); a resume said
+    "written by 1 processes"."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from accelrun import refusals
+    from accelrun.checkpoint import load
+    from finetune_lm import parse_args
+
+    for count in ("0", "-2", "two"):
+        with pytest.raises(SystemExit) as refused:
+            parse_args(["--model", "m", "--data-files", "d", "--loss-chunks", count])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert refused.value.code == 2 and len(lines) == 1, lines
+        assert f"--loss-chunks: {count!r}: give a whole number of chunks, 1 or more (1: the plain loss)" in lines[0]
+    assert parse_args(["--model", "m", "--data-files", "d", "--loss-chunks", "1"]).loss_chunks == 1
+
+    monkeypatch.setattr(refusals, "teardown", lambda accelerator, code: code)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    alone = SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO, is_main_process=True)
+    said = []
+    for rank in ("0", "1"):  # two processes of `accelerate launch --config_file 2gpu.yaml` on a CPU, each alone
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(SystemExit) as refused:
+            refusals.check_launch(alone)
+        assert refused.value.code == 2
+        said.append(capsys.readouterr().err)
+    assert said[0].startswith("error: the launcher started 2 processes, but accelerate set up 1") and said[1] == ""
+    assert "ACCELERATE_USE_CPU=1" in said[0] and said[0].count("\n") == 1
+
+    class Held:
+        def replaced(self):
+            return []
+
+        def close(self):
+            pass
+    acc = SimpleNamespace(is_main_process=True, num_processes=2)
+    for world, words in ((1, "written by 1 process;"), (2, "written by 2 processes;")):
+        load._loaded(acc, Held(), "ckpt/step-00000003", {"step": 3, "layout": {"world_size": world}}, [], (0.1, 0.2))
+        assert words in capsys.readouterr().out

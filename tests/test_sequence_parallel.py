@@ -109,3 +109,58 @@ def test_other_recipes_refuse_a_sequence_parallel_config():
     finally:
         refusals.fail = original
     assert len(said) == 1 and "does not run under sequence parallelism (parallelism_config_sp_size 2" in said[0]
+
+
+def sequence_parallel_launch_env(config):
+    """The environment accelerate launch gives a worker of `config` (accelerate's own code, as slurm_launch.py uses
+    it): what Run() reads before Accelerator() is built."""
+    import os
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    parsed = launch_command_parser().parse_args(["--config_file", str(REPO / "accelerate_configs" / config),
+                                                 "placeholder.py"])
+    parsed, defaults, mp_from_config = _validate_launch_command(parsed)
+    fields = list(defaults.deepspeed_config) if defaults else []
+    parsed.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mp_from_config)
+    _, env = prepare_deepspeed_cmd_env(parsed)
+    changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    return {**changed, "LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}
+
+
+def test_the_sequence_parallel_refusal_comes_before_the_accelerator_is_built(monkeypatch, tmp_path):
+    """Issue 53, item 8: `PYTHONPATH=cpu_route accelerate launch --config_file deepspeed_zero3_sp2.yaml
+    recipes/mnist.py` compiled DeepSpeed's deepspeed_shm_comm (minutes; Accelerator() sets DeepSpeed's process group
+    up) before "this recipe does not run under sequence parallelism", which depends only on the config and the
+    recipe. Now Run() refuses it from the launch's environment, before Accelerator(): one line, exit 2, nothing
+    built. finetune_lm.py, whose configuration it is, passes the same check."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+
+    from accelrun import refusals
+    from in_process import run_main
+
+    env = sequence_parallel_launch_env(SP)
+    assert env["PARALLELISM_CONFIG_SP_SIZE"] == "2" and env["ACCELERATE_USE_DEEPSPEED"] == "true"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+
+    def routed(self, cpu=False, sagemaker_dp=False, backend=None):
+        return "gloo", None
+    routed.cpu_route = True  # on the CPU route, as PYTHONPATH=cpu_route marks it
+    monkeypatch.setattr(PartialState, "_prepare_backend", routed)
+    built = []
+
+    def accelerator_built(self, *args, **kwargs):
+        built.append("Accelerator()")
+        raise SystemExit(3)
+    monkeypatch.setattr(Accelerator, "__init__", accelerator_built)
+    code, output = run_main("mnist", ["--data-dir", tmp_path, "--output-dir", tmp_path / "out"], timeout=60)
+    assert built == [] and code == 2, output
+    errors = [line for line in output.splitlines() if line.strip()]
+    assert errors == ["error: this recipe does not run under sequence parallelism (parallelism_config_sp_size 2 in "
+                      "the config): it is finetune_lm.py's, for Hugging Face models. Use the config without it "
+                      "(deepspeed_zero3.yaml)"], output
+    refusals.check_gpus_before_start(sequence_parallel=True)  # finetune_lm.py: its configuration, not refused here

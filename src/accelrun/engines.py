@@ -66,17 +66,39 @@ def engine_facts(accelerator):
             "sequence_parallel": sequence_parallel_size(accelerator)}
 
 
-def precision_source(facts, environ=os.environ):
-    """For the first line, after the precision: under DeepSpeed in half precision, that its JSON set it (accelerate
-    launch's --mixed_precision does not change a DeepSpeed JSON: a CPU without bf16 instructions then ran 5x slower
-    than the fp32 it was asked for) and the fp32 JSON shipped beside it. "" otherwise."""
+def precision_source(facts, environ=os.environ, launch_argv=None):
+    """For the first line, after the precision: under DeepSpeed, that its JSON set it, and where the launch asked for
+    another with --mixed_precision, that the JSON overrode the flag (a CPU without bf16 instructions ran 4.5x slower
+    than the fp32 it was asked for); in half precision, the fp32 JSON shipped beside it. "" otherwise.
+    accelerate launch passes the flag on as ACCELERATE_MIXED_PRECISION, "no" when it was not given either: whether it
+    was typed is read from the launcher's command line (launch_argv; None: the parent process's, where readable);
+    where that cannot be told (srun, torchrun), the line says only that the JSON set the precision."""
     json_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
-    deepspeed = facts["distributed_type"] == DistributedType.DEEPSPEED.value
-    if not (deepspeed and json_file and facts["mixed_precision"] != "no"):
+    if facts["distributed_type"] != DistributedType.DEEPSPEED.value or not json_file:
         return ""
+    asked, precision = environ.get("ACCELERATE_MIXED_PRECISION", "").lower(), facts["mixed_precision"]
+    overridden = asked not in ("", precision) and mixed_precision_flag_given(launch_argv) is True
+    source = (f"--mixed_precision {asked} overridden by {json_file}" if overridden else
+              f"set by {json_file}, not by --mixed_precision")
+    if precision == "no":
+        return f" ({source})" if overridden else ""
     fp32 = json_file.removesuffix(".json") + "_fp32.json"
     instead = f"--deepspeed_config_file {fp32}" if os.path.isfile(fp32) else f"a copy of {json_file} with it off"
-    return f" (set by {json_file}, not by --mixed_precision; fp32: {instead})"
+    return f" ({source}; fp32: {instead})"
+
+
+def mixed_precision_flag_given(launch_argv=None):
+    """Whether accelerate launch's command line holds --mixed_precision: True, False, or None where it cannot be
+    told (no launch_argv, and the parent process is not a readable accelerate launch: torchrun, srun)."""
+    if launch_argv is None:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                launch_argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            return None
+        if not any(part.endswith("accelerate") or part == "launch" for part in launch_argv):
+            return None
+    return any(arg == "--mixed_precision" or arg.startswith("--mixed_precision=") for arg in launch_argv)
 
 
 def run_label(accelerator):

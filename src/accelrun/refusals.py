@@ -2,11 +2,12 @@
 
 Owns the checks that end a run at start-up:
   * before Accelerator(), from the launch's environment alone: more processes on a node than it has GPUs (CUDA
-    set-up would fail a minute later), and a DeepSpeed or FSDP config on a machine without a GPU that is not on the
-    CPU route (DeepSpeed would first compile a CPU op for minutes, then every process would train alone);
+    set-up would fail a minute later), a DeepSpeed or FSDP config on a machine without a GPU that is not on the
+    CPU route (DeepSpeed would first compile a CPU op for minutes, then every process would train alone), and a
+    config with sequence parallelism for a recipe that has no use for it (before DeepSpeed compiles anything);
   * processes that would each train alone, or without the engine the config asked for;
   * a global batch that does not split evenly over processes (under sequence parallelism: groups of them) and
-    accumulation steps, and a config with sequence parallelism for a recipe that has no use for it;
+    accumulation steps;
   * a DeepSpeed config that contradicts the flags, and optimizer offload under an SGD recipe.
 """
 
@@ -18,21 +19,26 @@ from accelerate.utils import DistributedType
 
 from .checkpoint.rules import processes_hint
 from .engines import deepspeed_config, engine_facts, sequence_parallel_size
-from .exits import fail, report
+from .exits import fail, report, teardown
 
 ON_A_CPU = "docs/configs.md, 'On a CPU'"
 CPU_HINT = ("To run several processes on a CPU-only machine, set ACCELERATE_USE_CPU=1 for DDP configs; "
             f"DeepSpeed and FSDP configs need PYTHONPATH=cpu_route ({ON_A_CPU}).")
 
 
-def check_gpus_before_start():
-    """Before Accelerator(), before any library is imported for the engine: more processes on this node than it
-    has GPUs would die in CUDA set-up with 'invalid device ordinal' a minute later; a DeepSpeed or FSDP config
-    without a GPU needs the CPU route (engine_without_gpu). Every rank refuses at once, the first one saying why."""
+def check_gpus_before_start(sequence_parallel=False):
+    """Before Accelerator(), before any library is imported for the engine: a config with sequence parallelism for a
+    recipe without it (sequence_parallel False: sequence_parallel_refusal); more processes on this node than it has
+    GPUs would die in CUDA set-up with 'invalid device ordinal' a minute later; a DeepSpeed or FSDP config without a
+    GPU needs the CPU route (engine_without_gpu). Every rank refuses at once, the first one saying why."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+    if not sequence_parallel and (size := launched_sequence_parallel_size()) > 1:
+        report(sequence_parallel_refusal(size), first)
+        sys.exit(2)
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
     if not torch.cuda.is_available() and (problem := engine_without_gpu(use_cpu)):
-        report(problem, os.environ.get("LOCAL_RANK", "0") == "0")
+        report(problem, first)
         sys.exit(2)
     if use_cpu or not torch.cuda.is_available():
         return  # a CPU run, or the CPU route: no GPU to count
@@ -41,8 +47,27 @@ def check_gpus_before_start():
         world = os.environ.get("WORLD_SIZE", str(local))
         report(f"this node has {gpus} GPU(s) and the launch starts {local} processes on it (num_processes "
                f"{world}): pass --num_processes {gpus} to accelerate launch, or use accelerate_configs/1gpu.yaml, "
-               f"or set ACCELERATE_USE_CPU=1 for a run on the CPU.", os.environ.get("LOCAL_RANK", "0") == "0")
+               f"or set ACCELERATE_USE_CPU=1 for a run on the CPU.", first)
         sys.exit(2)
+
+
+def launched_sequence_parallel_size():
+    """The sequence-parallel size the launch asks for, from the environment accelerate launch sets from the config's
+    parallelism_config (what Accelerator() will read): 1 without it, as engines.sequence_parallel_size."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return 1
+    if os.environ.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed") != "deepspeed":
+        return 1
+    try:
+        return max(1, int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1")))
+    except ValueError:
+        return 1  # not a number: Accelerator() says so in its own words
+
+
+def sequence_parallel_refusal(size):
+    """The one line for a recipe that has no use for sequence parallelism under a config that asks for it."""
+    return (f"this recipe does not run under sequence parallelism (parallelism_config_sp_size {size} in the config): "
+            f"it is finetune_lm.py's, for Hugging Face models. Use the config without it (deepspeed_zero3.yaml)")
 
 
 def engine_without_gpu(use_cpu):
@@ -72,44 +97,70 @@ def on_cpu_route():
 
 
 def check_launch(accelerator):
-    """Refuse to train as silent independent copies, or without the engine the config asked for."""
+    """Refuse to train as silent independent copies, or without the engine the config asked for. Said once, by the
+    launch's rank 0 (RANK): processes that each set up alone are each accelerate's main process."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != launched or (launched > 1 and accelerator.distributed_type == DistributedType.NO):
-        fail(accelerator, f"the launcher started {launched} processes, but accelerate set up "
-                          f"{accelerator.num_processes} ({accelerator.distributed_type}): each would train "
-                          f"alone. {CPU_HINT}")
+        _refuse_launch(accelerator, f"the launcher started {launched} processes, but accelerate set up "
+                                    f"{accelerator.num_processes} ({accelerator.distributed_type}): each would train "
+                                    f"alone. {CPU_HINT}")
     for env, wanted in (("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED),
                         ("ACCELERATE_USE_FSDP", DistributedType.FSDP)):
         if os.environ.get(env, "false").lower() == "true" and accelerator.distributed_type != wanted:
-            fail(accelerator, f"the config asks for {wanted.value} but accelerate is running "
-                              f"{accelerator.distributed_type.value}. {CPU_HINT}")
+            _refuse_launch(accelerator, f"the config asks for {wanted.value} but accelerate is running "
+                                        f"{accelerator.distributed_type.value}. {CPU_HINT}")
+
+
+def _refuse_launch(accelerator, message):
+    """fail() for a launch accelerate did not set up as launched: the line from the launch's rank 0 only (each
+    process alone was its own main process, and the line came once per rank), exit 2 from every one."""
+    report(message, os.environ.get("RANK", "0") == "0")
+    sys.exit(teardown(accelerator, 2))
 
 
 def check_sequence_parallel(accelerator, supported):
     """A config with sequence parallelism (parallelism_config_sp_size > 1) for a recipe that has no use for it:
-    DeepSpeed's Ulysses works on Hugging Face models only, and accelerate would stop in prepare() with a traceback."""
+    DeepSpeed's Ulysses works on Hugging Face models only, and accelerate would stop in prepare() with a traceback.
+    A launched run was refused before Accelerator() (check_gpus_before_start); this holds for one built otherwise."""
     size = sequence_parallel_size(accelerator)
     if size > 1 and not supported:
-        fail(accelerator, f"this recipe does not run under sequence parallelism (parallelism_config_sp_size {size} in "
-                          f"the config): it is finetune_lm.py's, for Hugging Face models. Use the config without it "
-                          f"(deepspeed_zero3.yaml)", everyone=True)
+        fail(accelerator, sequence_parallel_refusal(size), everyone=True)
 
 
-def check_batch(accelerator, batch_size, grad_accum=1, eval_batch_size=None):
+def check_batch(accelerator, batch_size, grad_accum=1, eval_batch_size=None, args=None):
     """The global batch of one optimizer step must split evenly over the processes that read different data (all
-    of them, or under sequence parallelism each group of them) x accumulation steps."""
+    of them, or under sequence parallelism each group of them) x accumulation steps. args: the run's flags, which
+    say whether it resumes a checkpoint (resumed_from)."""
     readers = accelerator.num_processes // sequence_parallel_size(accelerator)
-    problem = batch_problem(readers, batch_size, grad_accum, eval_batch_size)
+    problem = batch_problem(readers, batch_size, grad_accum, eval_batch_size, resumed_from(args))
     if problem:
         fail(accelerator, problem, everyone=True)
 
 
-def batch_problem(world, batch_size, grad_accum=1, eval_batch_size=None):
-    """None, or why the batches do not split over `world` processes, with the two ways out: another --batch-size for
-    a new run, or (for a resume, which keeps its checkpoint's --batch-size) a number of processes that divides it."""
+def resumed_from(args):
+    """None for a new run; else what the run resumes, for batch_problem's hint: --resume PATH, or the
+    --checkpoint-dir that holds checkpoints (step-* entries; which one, and whether it is usable, is settled later)."""
+    if args is None or args.resume == "none":
+        return None
+    if args.resume != "auto":
+        return args.resume
+    if args.checkpoint_dir:
+        from .checkpoint.layout import steps
+        return args.checkpoint_dir if steps(args.checkpoint_dir) else None
+    return None
+
+
+def batch_problem(world, batch_size, grad_accum=1, eval_batch_size=None, resuming=None):
+    """None, or why the batches do not split over `world` processes, with the way out: another --batch-size for a new
+    run; for a resume (`resuming`: the checkpoint or the --checkpoint-dir holding some), which keeps its checkpoint's
+    --batch-size, only a number of processes that divides it (another --batch-size would be refused next)."""
     good = world * grad_accum
     problems = []
-    if batch_size % good:
+    if batch_size % good and resuming:
+        problems.append(f"--batch-size {batch_size} is the global batch of one optimizer step and must divide by "
+                        f"processes x --grad-accum = {good}: this run resumes {resuming}, which keeps its "
+                        f"--batch-size, so {processes_hint(batch_size, grad_accum, world)}")
+    elif batch_size % good:
         problems.append(f"--batch-size {batch_size} is the global batch of one optimizer step and must divide by "
                         f"processes x --grad-accum = {good}: give --batch-size {max(good, batch_size // good * good)} "
                         f"for a new run; a resume keeps its checkpoint's --batch-size, so "

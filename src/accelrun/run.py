@@ -80,16 +80,18 @@ from .timing import StepTimer
 
 
 class Run:
-    def __init__(self, name, args, unit="samples", may_change=None):
+    def __init__(self, name, args, unit="samples", may_change=None, sequence_parallel=False):
         """Call first in main(): from here on a stop signal is remembered instead of killing the process.
-        may_change: {flag: why} for the recipe's flags that a resumed run may change (checkpoint/rules.py)."""
+        may_change: {flag: why} for the recipe's flags that a resumed run may change (checkpoint/rules.py).
+        sequence_parallel: whether the recipe runs under a config with sequence parallelism (refused here, before
+        Accelerator() and anything DeepSpeed compiles, if not)."""
         missing = [flag for flag in (*RUN_FLAGS, *(may_change or {})) if not hasattr(args, flag)]
         if missing:
             raise TypeError(f"Run({name!r}): the parsed flags lack {missing}; call add_run_args(parser, ...)")
         self.name, self.args, self.unit, self.may_change = name, args, unit, dict(may_change or {})
-        self.t_start = time.perf_counter()
+        self.t_start, self.sequence_parallel = time.perf_counter(), sequence_parallel
         die_with_launcher()
-        check_gpus_before_start()
+        check_gpus_before_start(sequence_parallel)
         name_the_cpu_for_deepspeed()
         quiet_progress_bars()
         self.stopper, self.stopping = GracefulStop(args.stop_signals, args.checkpoint_dir), False
@@ -97,23 +99,22 @@ class Run:
 
     # ---- before prepare() -------------------------------------------------------------------------
     def setup(self, accelerator, *, batch_size, max_grad_norm=0.0, eval_batch_size=None, refuse_offload=None,
-              default_output_dir=None, sequence_parallel=False):
+              default_output_dir=None):
         """Launch checks (no rank trains alone, the global batch divides), DeepSpeed clipping like
         max_grad_norm, --checkpoint-dir's lock, and the output directory (results.py: the one rule; a run that
         continues its --checkpoint-dir writes where that run wrote). refuse_offload: (why, instead) for SGD recipes.
-        default_output_dir: where the results go without --output-dir (runs/<name>/<how it runs> if None).
-        sequence_parallel: whether the recipe runs under a config with sequence parallelism (refused if not). The
+        default_output_dir: where the results go without --output-dir (runs/<name>/<how it runs> if None). The
         accumulation steps are the Accelerator's, read here, before prepare(): a DeepSpeed config that says
         otherwise is refused in start()."""
         self.accelerator, self.print = accelerator, main_print(accelerator)
         self.batch_size, self.max_grad_norm = batch_size, max_grad_norm
         self.grad_accum = accelerator.gradient_accumulation_steps
         check_launch(accelerator)
-        check_sequence_parallel(accelerator, sequence_parallel)
+        check_sequence_parallel(accelerator, self.sequence_parallel)
         quiet_deprecated_collectives()
         if refuse_offload:
             refuse_optimizer_offload(accelerator, *refuse_offload)
-        check_batch(accelerator, batch_size, self.grad_accum, eval_batch_size)
+        check_batch(accelerator, batch_size, self.grad_accum, eval_batch_size, self.args)
         deepspeed_clip_like(accelerator, max_grad_norm)
         check_deepspeed_flags(accelerator, self.grad_accum, max_grad_norm, prepared=False)
         fsdp_reduce_in_fp32(accelerator)

@@ -71,8 +71,9 @@ def _loaded(acc, held, path, manifest, notes, seconds):
     if not acc.is_main_process:
         return
     verify_s, load_s = seconds
-    print(f"resumed from {path} (step {manifest['step']}, written by {manifest['layout']['world_size']} "
-          f"processes; checksums and formats checked by {acc.num_processes} rank(s) in "
+    writers = manifest["layout"]["world_size"]
+    print(f"resumed from {path} (step {manifest['step']}, written by {writers} process{'es' if writers != 1 else ''}"
+          f"; checksums and formats checked by {acc.num_processes} rank(s) in "
           f"{verify_s:.1f} s, loaded in {load_s:.1f} s)", flush=True)
     for note in notes:
         print(f"resumed on another shape: {note}", flush=True)

@@ -17,6 +17,7 @@ import torch
 from accelrun.exits import one_line
 from accelrun.finetune.lora import LoraProblem, with_lora
 from accelrun.finetune.qlora import NF4_BYTES, for_training, quantization_config
+from accelrun.finetune.records import offline_unless_the_hub_answers
 from accelrun.finetune.weights import weights_problem
 
 # A hub id: a name, or an organisation and a name. Anything else given to --model is a path.
@@ -35,6 +36,8 @@ def load_config_and_tokenizer(name):
     if not os.path.isdir(path) and not HUB_ID.fullmatch(name):
         return None, 0, None, (f"--model {name!r}: no such directory. Give a directory written by save_pretrained "
                                f"(config.json, the weights and the tokenizer), or a hub id such as Qwen/Qwen2.5-0.5B")
+    if not os.path.isdir(path):
+        offline_unless_the_hub_answers()  # unanswered: the cache or one line at once, not a retry loop (records.py)
     try:
         config = AutoConfig.from_pretrained(path, **NO_CODE)
         tokenizer = AutoTokenizer.from_pretrained(path, **NO_CODE)
