@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from launching import FINETUNE_STEPS
+from launching import FINETUNE_STEPS, REPO
 
 SP = "deepspeed_zero3_sp2.yaml"
 CHECKPOINTS = ("--checkpoint-every", "3", "--keep-last", "0")
