@@ -273,7 +273,10 @@ def accelerate_env(config_file, nodes, world):
         _, env = prepare_deepspeed_cmd_env(parsed)
     else:
         env = prepare_multi_gpu_env(parsed)
-    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_")) and os.environ.get(k) != v}
+    # PARALLELISM_CONFIG_*: the sequence-parallel (and data-parallel mesh) sizes; without them a per-gpu worker would
+    # train without the parallelism its config names.
+    kept = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
+    return {k: v for k, v in env.items() if k.startswith(kept) and os.environ.get(k) != v}
 
 
 def parse_args(argv=None):

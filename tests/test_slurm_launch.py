@@ -161,6 +161,15 @@ def test_per_gpu_mode_sets_the_ranks_slurm_gave(rank):
     assert extra["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == "accelerate_configs/deepspeed_zero2.json"
 
 
+def test_per_gpu_mode_keeps_the_configs_parallelism():
+    """A sequence-parallel config in mode per-gpu: each task gets the parallelism sizes accelerate launch would give
+    (they were dropped, and the workers trained without sequence parallelism)."""
+    env = captured("step_1node_2tasks_rank0")
+    _, extra = plan(["--mode", "per-gpu", "accelerate_configs/deepspeed_zero3_sp2.yaml", RECIPE], env)
+    assert extra.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true", extra
+    assert extra.get("PARALLELISM_CONFIG_SP_SIZE") == "2" and extra.get("PARALLELISM_CONFIG_SP_BACKEND") == "deepspeed"
+
+
 def test_port_override_and_job_ids_differ():
     env = captured("step_1node_1task")
     assert flag(plan(["--port", "31234", CONFIG, RECIPE], env)[0], "--main_process_port") == "31234"
