@@ -229,7 +229,7 @@ def claim(directory, run_id, recipe):
             f.write(json.dumps({"run_id": run_id, "recipe": recipe}) + "\n")
     finally:
         os.close(fd)
-    atexit.register(release, directory, run_id, made)
+    atexit.register(release, os.path.abspath(directory), run_id, made)  # the same place, whatever the cwd then
     return True
 
 
