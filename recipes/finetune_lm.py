@@ -132,7 +132,7 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 
-from accelrun import Run
+from accelrun import Run, results
 from accelrun.engines import run_label
 from accelrun.finetune.chunked_loss import install, token_losses, with_loss_count
 from accelrun.finetune.examples import IGNORE, DataProblem, cut_note, load_examples
@@ -294,13 +294,17 @@ def greedy_answer(model, accelerator, tokenizer, example, fmt, args):
 def export(weights, model, accelerator, tokenizer, args, output_dir, base_weights=None, dequantized=None):
     """Main process: directories from_pretrained (and PEFT) load, with the tokenizer; returns where they are. The
     adapter's directory also records the base it adapts and that base's fingerprint (finetune/weights.py). QLoRA's
-    merge takes the 4-bit base dequantised (`dequantized`, finish()), and writes a plain model (finetune/qlora.py)."""
-    model_dir, adapter_dir = (os.path.join(output_dir, name) for name in ("model", "adapter"))
+    merge takes the 4-bit base dequantised (`dequantized`, finish()), and writes a plain model (finetune/qlora.py).
+    Each is written into a private temporary directory and renamed into place (results.exported_directory): nothing
+    is written through a name someone else could have swapped for a link."""
     plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
+    adapter_dir = None
     if args.lora_r:  # PEFT's own format, in fp32; PEFT picks the adapters' tensors out of the whole model's
-        plain.save_pretrained(adapter_dir, state_dict=weights)
-        tokenizer.save_pretrained(adapter_dir)
-        record_base(adapter_dir, args.model, base_weights)
+        def write_adapter(directory):
+            plain.save_pretrained(directory, state_dict=weights)
+            tokenizer.save_pretrained(directory)
+            record_base(directory, args.model, base_weights)
+        adapter_dir = results.exported_directory(output_dir, "adapter", write_adapter)
         if not args.merge_lora:
             return adapter_dir
         weights, plain = merge_adapters({**weights, **(dequantized or {})}, plain), plain.get_base_model()
@@ -308,11 +312,14 @@ def export(weights, model, accelerator, tokenizer, args, output_dir, base_weight
             weights, plain = as_plain_model(weights, plain)
     dtype = getattr(torch, args.save_dtype)
     plain.config.use_cache = True  # a config for generating
-    plain.save_pretrained(model_dir, state_dict={k: v.to(dtype) for k, v in weights.items()})
-    plain.config.dtype = dtype  # save_pretrained wrote the dtype of the model in memory, not of the file
-    plain.config.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    return f"{adapter_dir}, {model_dir}" if args.lora_r else model_dir
+
+    def write_model(directory):
+        plain.save_pretrained(directory, state_dict={k: v.to(dtype) for k, v in weights.items()})
+        plain.config.dtype = dtype  # save_pretrained wrote the dtype of the model in memory, not of the file
+        plain.config.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    model_dir = results.exported_directory(output_dir, "model", write_model)
+    return f"{adapter_dir}, {model_dir}" if adapter_dir else model_dir
 
 
 def main(argv=None):

@@ -143,3 +143,18 @@ def test_many_differing_settings_are_one_short_line():
     assert problem == ("these settings differ from the run that wrote it (saved, now): a_path '<not set>' vs '"
                        + "x" * 56 + "..., block_size '<not set>' vs 32, data_dir '/data/mnist' vs '<not set>', epochs "
                        "2 vs '<not set>' and 30 more (flags only one of them has: a checkpoint of another recipe?)")
+
+
+@pytest.mark.parametrize("grad_accum", ["2", 0, True, 2.5, None])
+def test_a_checkpoint_whose_settings_hold_no_number_of_micro_batches_is_refused(grad_accum):
+    """Issue 52, item 6: a manifest without grad_accum in its layout whose settings' grad_accum is a string ended in
+    a TypeError after "resumed from" (resharding computes with it); now one line, before anything loads."""
+    old = manifest(grad_accum=2)
+    del old["layout"]["grad_accum"]
+    old["must_match"]["grad_accum"] = grad_accum
+    problem = incompatibility(old, now(), SETTINGS)
+    if grad_accum is None:  # neither holds one: this run's
+        assert problem is None
+        return
+    assert problem == (f"its grad_accum {grad_accum!r} is not a number of micro-batches, so this run cannot tell how "
+                       f"it split the global batch")

@@ -33,10 +33,12 @@ def settle(run):
 
 
 def place_results(run, checkpoint):
-    """Collective: the output directory and the run's id, decided by the main process (results.choose) for a run
-    that resumes `checkpoint` ((path, manifest), or None for a fresh start); refused on every rank if --output-dir
-    holds another run's results."""
+    """Collective: the output directory and the run's id, decided and claimed by the main process (results.choose,
+    exclusive creation) for a run that resumes `checkpoint` ((path, manifest), or None for a fresh start), before
+    any data or model loads; refused on every rank in one line when results.py's rule refuses the directory."""
     acc, args, result = run.accelerator, run.args, (None, None)
+    if acc.is_main_process and getattr(run, "output_dir", None):  # start() places again: setup's claim given back
+        results.release(run.output_dir, run.run_id)  # (nothing written there yet), or it would pass for another's
     if acc.is_main_process:
         run_id, recorded = results.continued(checkpoint, args.checkpoint_dir)
         place, note, error = results.choose(args.output_dir, run.default_output_dir, run.name, run_id, recorded)

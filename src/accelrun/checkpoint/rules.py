@@ -21,6 +21,8 @@ import json
 from accelerate.utils import DistributedType
 
 from ..engines import engine_facts
+from .untrusted import shown as shown_value
+from .untrusted import whole
 
 # Flags of the run services (add_run_args) that may differ between a run and its resume, and why.
 MAY_CHANGE = {
@@ -105,6 +107,7 @@ def must_match_settings(args, may_change, data_facts):
     return json.loads(json.dumps({**flags, **data_facts}))
 
 
+MAX_GRAD_ACCUM = 1 << 20  # as manifest.py bounds the layout's grad_accum
 SHOWN = 4  # differing settings named in incompatibility's one line; the rest are counted
 
 
@@ -118,6 +121,9 @@ def incompatibility(manifest, now, must_match):
         return (f"it was written with sequence parallelism of size {saved_sp} and this run has {now_sp} "
                 f"(parallelism_config_sp_size): a resume onto another split of each sequence is not tested, so it is "
                 f"refused. Resume it with the config that wrote it, or give another --checkpoint-dir")
+    if not whole(saved_grad_accum(manifest, now), 1, MAX_GRAD_ACCUM):  # what resharding computes with
+        return (f"its grad_accum {shown_value(_saved_accum(manifest))} is not a number of micro-batches, so this run "
+                f"cannot tell how it split the global batch")
     before = manifest["must_match"]
     differ = {k: (before.get(k, "<not set>"), must_match.get(k, "<not set>"))
               for k in sorted(set(before) | set(must_match)) if before.get(k) != must_match.get(k) and k not in RESHAPE}
@@ -180,6 +186,15 @@ def reshaped(manifest, now):
     return notes
 
 
+def _saved_accum(manifest):
+    """The checkpoint's --grad-accum as it reads: in its layout, or (written before the layout held it) its
+    settings; None when neither holds one."""
+    held = manifest["layout"].get("grad_accum")
+    return held if held is not None else manifest["must_match"].get("grad_accum")
+
+
 def saved_grad_accum(manifest, now):
-    """The checkpoint's --grad-accum: in its layout, or (written before the layout held it) its settings."""
-    return manifest["layout"].get("grad_accum") or manifest["must_match"].get("grad_accum") or now["grad_accum"]
+    """The checkpoint's --grad-accum: in its layout, or (written before the layout held it) its settings, or this
+    run's when neither holds one. incompatibility() refuses a checkpoint where it is not a whole number."""
+    held = _saved_accum(manifest)
+    return now["grad_accum"] if held is None else held

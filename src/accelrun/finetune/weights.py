@@ -1,7 +1,9 @@
 """What a model directory's weight files hold, read from their headers without loading them and without running code.
 
 Owns, for a --model directory (shared storage: its files are untrusted):
-  * which weight files transformers loads from it (weight_files): the safetensors shards, else the .bin ones;
+  * which weight files transformers loads from it (weight_files): the safetensors shards, else the .bin ones; an
+    index that is not one (not JSON, not an object, shard names that are not names in the directory) and a file
+    that is not a regular one (a FIFO would block the run before it starts) are one line (open_weight_file);
   * the problems that must stop a run, in one line, before transformers loads anything (weights_problem): a
     safetensors header that cannot be one (longer than its file, or than safetensors' own limit), a .bin file whose
     pickle would run code (refused by weights-only loading), a config.json that describes a model far larger than
@@ -19,11 +21,15 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
+
+from accelrun.results import write_file
 
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # the safetensors library's own limit on a header (100 MB)
 WINDOW = 16 * 1024  # bytes of each tensor read for the fingerprint, at its start, middle and end
 BASE_RECORD = "base_model.json"  # in OUTPUT_DIR/adapter: the base the adapter was trained on, and its fingerprint
+INDEX_LIMIT = 64 * 1024 * 1024  # bytes of a shard index read: one of a model of 100,000 tensors is a few MB
 PACKING = 8  # a file may hold fewer values than the model has parameters: up to 8 4-bit weights in one int32
 
 
@@ -31,26 +37,80 @@ class WeightsProblem(ValueError):
     """A weight file that must not be loaded, or a base that is not the one an adapter was trained on: one line."""
 
 
+def kind(mode):
+    """What a file that is not a regular one is, in words."""
+    for test, word in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return word
+    return "not a regular file"
+
+
+def open_weight_file(path):
+    """The file at `path` opened for reading as the checkpoint files are (checkpoint/untrusted.py): O_NONBLOCK, so
+    that a FIFO never blocks the run, then from the descriptor its kind (a regular file), before a byte is read.
+    Else WeightsProblem. A symbolic link is followed, unlike in a checkpoint: a hub cache's snapshot is links to its
+    blobs, and transformers follows them when it loads; what it points to passes the same checks."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise WeightsProblem(f"{path}: {exc.strerror or exc}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise WeightsProblem(f"{path} is {kind(st.st_mode)}, not a weight file: give a directory written by "
+                             f"save_pretrained, as it wrote it")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _shards(directory, index):
+    """The shard names the index file `index` in `directory` maps tensors to; WeightsProblem for an index that is
+    not one (not JSON, not an object, a weight_map of anything but names in the directory)."""
+    with open_weight_file(os.path.join(directory, index)) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > INDEX_LIMIT:
+            raise WeightsProblem(f"{index} is {size} bytes, over the {INDEX_LIMIT} an index of shards needs")
+        raw = f.read(INDEX_LIMIT + 1)
+    try:
+        weight_map = json.loads(raw).get("weight_map")
+    except (ValueError, RecursionError):
+        raise WeightsProblem(f"{index} is not JSON: give the index save_pretrained wrote") from None
+    except AttributeError:
+        raise WeightsProblem(f"{index} is not a JSON object with a weight_map: give the index save_pretrained "
+                             f"wrote") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+        raise WeightsProblem(f"{index}'s weight_map is not a table of tensor names to shard file names: give the "
+                             f"index save_pretrained wrote")
+    shards = sorted(set(weight_map.values()))
+    outside = [name for name in shards if os.path.basename(name) != name or name in ("", ".", "..")]
+    if outside:
+        raise WeightsProblem(f"{index} names a shard outside the model directory: {outside[0][:80]!r}")
+    return shards
+
+
 def weight_files(directory):
     """The weight files transformers loads from `directory`: the shards its index names, or the single file;
-    safetensors first, as transformers prefers them. [] when it has none of them (transformers then says why)."""
+    safetensors first, as transformers prefers them. [] when it has none of them (transformers then says why).
+    Each is checked to be a regular file (open_weight_file); WeightsProblem for one that is not, or a bad index."""
     for single, index in (("model.safetensors", "model.safetensors.index.json"),
                           ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        if os.path.isfile(os.path.join(directory, index)):
-            with open(os.path.join(directory, index)) as f:
-                shards = sorted(set(json.load(f).get("weight_map", {}).values()))
-            if any(os.path.basename(name) != name for name in shards):
-                raise WeightsProblem(f"{index} names a shard outside the model directory: {shards[0]!r}")
-            return [os.path.join(directory, name) for name in shards]
-        if os.path.isfile(os.path.join(directory, single)):
-            return [os.path.join(directory, single)]
+        if os.path.lexists(os.path.join(directory, index)):
+            files = [os.path.join(directory, name) for name in _shards(directory, index)]
+        elif os.path.lexists(os.path.join(directory, single)):
+            files = [os.path.join(directory, single)]
+        else:
+            continue
+        for path in files:
+            open_weight_file(path).close()
+        return files
     return []
 
 
 def safetensors_header(path):
     """(the header's bytes, its tensors {name: (dtype, shape, start, end)}, where the data starts) of a safetensors
     file, checked against the file's size before anything is allocated for it."""
-    with open(path, "rb") as f:
+    with open_weight_file(path) as f:
         size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else None
@@ -129,7 +189,7 @@ def fingerprint(directory):
     digest = hashlib.sha256()
     for path in files:
         digest.update(os.path.basename(path).encode() + b"\0")
-        with open(path, "rb") as f:
+        with open_weight_file(path) as f:
             size = os.fstat(f.fileno()).st_size
             digest.update(str(size).encode() + b"\0")
             if path.endswith(".safetensors"):
@@ -166,9 +226,10 @@ def base_fingerprint(name):
 
 
 def record_base(adapter_dir, base_model, weights):
-    """Write BASE_RECORD into the adapter's directory: the --model it adapts, and that model's fingerprint."""
-    with open(os.path.join(adapter_dir, BASE_RECORD), "w") as f:
-        json.dump({"base_model": base_model, "base_weights": weights}, f, indent=1)
+    """Write BASE_RECORD into the adapter's directory: the --model it adapts, and that model's fingerprint (a new
+    file renamed over the name: a link there is replaced, never written through)."""
+    write_file(os.path.join(adapter_dir, BASE_RECORD), json.dumps({"base_model": base_model, "base_weights": weights},
+                                                                  indent=1))
 
 
 def check_base(adapter_dir, base_model):
