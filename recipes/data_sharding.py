@@ -36,6 +36,8 @@ import json
 import os
 import sys
 
+from accelrun.results import place_problem, write_file
+
 
 def one_line_errors(parser):
     """A wrong flag as one line naming --help, from the main process only (every process parses the same flags)."""
@@ -59,7 +61,11 @@ def parse_args(argv=None):
     p.add_argument("--unseeded", action="store_true",
                    help="skip set_seed (the mistake): the ranks then shuffle differently and overlap")
     p.add_argument("--output-dir", default="runs/data_sharding", help="summary.json and shards.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    problem = place_problem(args.output_dir, "--output-dir")  # a link or another user's directory: never written into
+    if problem:
+        p.error(problem.removeprefix("--output-dir "))
+    return args
 
 
 if __name__ == "__main__":
@@ -93,8 +99,7 @@ def write_summary(accelerator, output_dir, fields):
                    "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
                    "deepspeed_stage": stage, **fields}
         os.makedirs(output_dir, exist_ok=True)
-        with open(os.path.join(output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_file(os.path.join(output_dir, "summary.json"), json.dumps(summary, indent=2))  # replaces, never follows
         print("SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "args"}), flush=True)
 
 
@@ -149,8 +154,7 @@ def main(argv=None):
             f"{len(epochs[-1]['missing'])} never | gather_for_metrics returned {len(evaluated)} samples")
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "shards.json"), "w") as f:
-            json.dump(epochs, f)
+        write_file(os.path.join(args.output_dir, "shards.json"), json.dumps(epochs))
     write_summary(accelerator, args.output_dir, {
         "steps_per_epoch": [len(e["batches_per_rank"][0]) for e in epochs],
         "samples_per_rank": epochs[0]["samples_per_rank"], "repeated_per_epoch": [e["repeated"] for e in epochs],

@@ -26,6 +26,8 @@ import os
 import sys
 import time
 
+from accelrun.results import place_problem, write_file
+
 
 def one_line_errors(parser):
     """A wrong flag as one line naming --help, from the main process only (every process parses the same flags)."""
@@ -50,6 +52,9 @@ def parse_args(argv=None):
         p.error(f"--intervals {args.intervals!r}: give whole numbers such as 1e6 or 1000000, separated by commas")
     if min(args.intervals) < 1:
         p.error("--intervals must be at least 1")
+    problem = place_problem(args.output_dir, "--output-dir")  # a link or another user's directory: never written into
+    if problem:
+        p.error(problem.removeprefix("--output-dir "))
     return args
 
 
@@ -82,8 +87,7 @@ def write_summary(accelerator, output_dir, fields):
                    "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
                    "deepspeed_stage": stage, **fields}
         os.makedirs(output_dir, exist_ok=True)
-        with open(os.path.join(output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_file(os.path.join(output_dir, "summary.json"), json.dumps(summary, indent=2))  # replaces, never follows
         print("SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "args"}), flush=True)
 
 

@@ -9,10 +9,13 @@ import argparse
 import json
 import os
 import pwd
+import sys
+
+import pytest
 
 from accelrun import results
 from in_process import run_main
-from launching import skip_unless_ci
+from launching import REPO, skip_unless_ci
 
 RUN, OTHER = "a" * 32, "b" * 32
 
@@ -280,3 +283,20 @@ def _umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.parametrize("recipe", ["pi", "data_sharding"])
+def test_the_demos_never_write_through_a_link_at_their_output_dir(recipe, tmp_path, capsys):
+    """pi.py and data_sharding.py keep no Run, but write summary.json the same way: a link planted at their
+    --output-dir is refused in one line before anything runs (it was followed), and the file is written by rename."""
+    sys.path.insert(0, str(REPO / "recipes"))  # the recipe's own parse_args
+    module = __import__(recipe)
+    elsewhere = tmp_path / "victim"
+    elsewhere.mkdir()
+    (tmp_path / "out").symlink_to(elsewhere)
+    with pytest.raises(SystemExit) as exit_code:
+        module.parse_args(["--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_code.value.code == 2 and "is a symbolic link" in err and len(err.strip().splitlines()) == 1, err
+    assert list(elsewhere.iterdir()) == []
+    assert module.parse_args(["--output-dir", str(tmp_path / "plain")]).output_dir == str(tmp_path / "plain")
