@@ -21,11 +21,11 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from accelrun.launcher import process_state
 from accelrun.stopping import GracefulStop, how_to_stop
 from launching import (
     CPU_SHIM,
@@ -266,10 +266,7 @@ def test_stop_command_signals_no_process_but_a_run_on_the_directory(tmp_path, lo
 
 def alive(pid):
     """Whether the process runs (a zombie, dead but not yet reaped by its new parent, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 def test_worker_whose_launcher_is_gone_at_start_exits_at_once(outside_any_launcher, tmp_path):

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+from ..launcher import process_state
 from ..trust import refusal
 from .layout import LOCK, LOCK_MAX_BYTES, SAVING, TAKEOVER, TMP, is_lock_name, own_lock_name
 from .owners import Passed, theirs
@@ -352,14 +353,4 @@ def alive(pid):
         return False
     except PermissionError:
         pass  # another user's process: it exists
-    return _state(pid) != "Z"
-
-
-def _state(pid):
-    """The state Linux gives process `pid` (R, S, D, Z...), from /proc/<pid>/stat (the field after the command name,
-    which may hold spaces), or None where /proc cannot tell: not Linux, or it has just ended."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    return process_state(pid) != "Z"
