@@ -12,7 +12,10 @@ import errno
 import os
 import stat
 
+from ..exits import cut
 from .owners import theirs
+
+VALUE_SHOWN = 40  # characters of a value read from an untrusted file that a message shows: enough to recognise it
 
 
 class RefusedFile(OSError):
@@ -79,7 +82,6 @@ def whole(value, low=0, high=1 << 62):
     return type(value) is int and low <= value <= high
 
 
-def shown(value):
-    """A value read from an untrusted file, for a message: its repr, cut short."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+def shown(value, limit=VALUE_SHOWN):
+    """A value read from an untrusted file, for a message: its repr, cut to `limit` characters (exits.cut)."""
+    return cut(repr(value), limit)
