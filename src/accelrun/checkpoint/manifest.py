@@ -18,14 +18,16 @@ import json
 import os
 import re
 
-from .files import coverage
-from .formats import FORMATS, files_problem
+from .files import coverage, file_table
+from .formats import FORMATS, files_problem, fingerprint
 from .layout import FORMAT_VERSION, MANIFEST
-from .train_state import read_json, state_problem, version_problem
+from .train_state import TRAIN_STATE, WINDOW_STATE, read_json, state_problem, version_problem
 from .untrusted import shown, whole
 
 MANIFEST_FIELDS = {"format_version", "step", "layout", "must_match", "train_state", "files"}
 OPTIONAL_FIELDS = {"recipe", "derived_from"}  # the recipe that wrote it (since issue 36); a derived part's source
+LAYOUT_FIELDS = {"family", "zero_stage", "world_size"}  # rules.layout writes them always,
+LAYOUT_OPTIONAL = {"grad_accum", "sequence_parallel"}  # these where they apply
 
 
 def _plain_path(rel):
@@ -40,8 +42,7 @@ def _is_sha256(value):
 
 def _layout_problem(layout):
     """None, or why a manifest's layout is not one rules.layout writes."""
-    if not (isinstance(layout, dict) and {"family", "zero_stage", "world_size"} <= set(layout)
-            <= {"family", "zero_stage", "world_size", "grad_accum", "sequence_parallel"}):
+    if not (isinstance(layout, dict) and LAYOUT_FIELDS <= set(layout) <= LAYOUT_FIELDS | LAYOUT_OPTIONAL):
         return "its layout is not one this code writes"
     family, stage = layout["family"], layout["zero_stage"]
     engine = FORMATS.get(family) if isinstance(family, str) else None
@@ -115,3 +116,22 @@ def run_problem(manifest, size_limit, models, optimizers, schedulers):
         return f"its {MANIFEST} records {total / 1e9:.3g} GB of files, more than a checkpoint of this model " \
                f"holds ({size_limit / 1e9:.3g} GB at most)"
     return state_problem(manifest) or files_problem(manifest, models, optimizers, schedulers)
+
+
+def format_fingerprint():
+    """What a save writes and records, as plain data to compare: per engine format, its files and LoRA's rule
+    (formats.fingerprint); the manifest's fields, its layout's and its train_state's; and the entry it records for a
+    file (files.file_table of 8 known bytes: its fields and checksum). A change here is a change of the checkpoint
+    format: tests/test_format_version.py fails until layout.FORMAT_VERSION moves with it (docs/checkpoints.md, "What
+    a format version promises")."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        with open(os.path.join(scratch, "probe"), "wb") as f:
+            f.write(b"accelrun")
+        entry = file_table(scratch, ["probe"])["probe"]
+    return {"formats": fingerprint(),
+            "manifest": {"fields": sorted(MANIFEST_FIELDS), "optional": sorted(OPTIONAL_FIELDS),
+                         "layout": sorted(LAYOUT_FIELDS), "layout_optional": sorted(LAYOUT_OPTIONAL),
+                         "train_state": sorted(TRAIN_STATE), "window": sorted(WINDOW_STATE), "file_entry": entry}}
+
