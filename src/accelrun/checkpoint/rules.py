@@ -106,7 +106,7 @@ def must_match_settings(args, may_change, data_facts):
     return json.loads(json.dumps({**flags, **data_facts}))
 
 
-SHOWN = 4  # differing settings named in incompatibility's one line; the rest are counted
+SETTINGS_NAMED = 4  # differing settings named in incompatibility's one line; the rest are counted
 SETTING_SHOWN = 60  # characters of each setting's value shown there (a path, a list of flags)
 
 
@@ -131,8 +131,8 @@ def incompatibility(manifest, now, must_match):
                 f"now (fingerprint {saved}, now {now_held}): adapters continued on another base are trained on two. "
                 f"Give --model the weights it was trained on")
     listed = ", ".join(f"{k} {shown(a, SETTING_SHOWN)} vs {shown(b, SETTING_SHOWN)}"
-                       for k, (a, b) in list(differ.items())[:SHOWN])
-    more = f" and {len(differ) - SHOWN} more" if len(differ) > SHOWN else ""
+                       for k, (a, b) in list(differ.items())[:SETTINGS_NAMED])
+    more = f" and {len(differ) - SETTINGS_NAMED} more" if len(differ) > SETTINGS_NAMED else ""
     # A checkpoint written before manifests named their recipe: flags only one side has mean another recipe.
     other = " (flags only one of them has: a checkpoint of another recipe?)" if set(before) ^ set(must_match) else ""
     return f"these settings differ from the run that wrote it (saved, now): {listed}{more}{other}" + _keep_batch(
