@@ -29,7 +29,7 @@ from accelrun.data.synthetic_mnist import write_synthetic_mnist  # noqa: E402
 from accelrun.exits import SELF_INFLICTED  # noqa: E402  (the pattern the tests' check_exit looks for too)
 from benchmark import deepspeed_json_in, free_port  # noqa: E402
 
-CONFIGS = ["2gpu.yaml", "deepspeed_zero2.yaml", "fsdp.yaml"]
+STRESSED = ["2gpu.yaml", "deepspeed_zero2.yaml", "fsdp.yaml"]
 SCRIPTS = {
     "quickstart": ["recipes/quickstart/with_accelerate.py", "--epochs", "1", "--batch-size", "64"],
     "accelrun (linear_regression)": ["recipes/linear_regression.py", "--epochs", "2", "--num-points", "256",
@@ -66,7 +66,7 @@ def main():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--runs", type=int, default=50, help="launches of each script under each config")
     p.add_argument("--parallel", type=int, default=2, help="launches at a time (each is 2 processes)")
-    p.add_argument("--configs", nargs="+", default=CONFIGS, help="configs from accelerate_configs/")
+    p.add_argument("--configs", nargs="+", default=STRESSED, help="configs from accelerate_configs/")
     p.add_argument("--keep-logs", default=None, help="a folder to keep every launch's log in (default: removed)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -45,6 +45,7 @@ import check_config  # launch/check_config.py, next to this file
 # recipes (requirements.txt); this checkout's src/ goes last on sys.path, shadowing nothing installed, for a node that
 # runs the script from the checkout alone. accelrun/stopping.py imports the standard library alone.
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+from accelrun.launcher import parent_of  # noqa: E402  (the one reading of /proc/<pid>/stat; standard library only)
 from accelrun.stopping import EXIT_STOPPED  # noqa: E402
 
 GPU_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP")
@@ -320,10 +321,9 @@ def children(pid):
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-        except (OSError, IndexError, ValueError):
+            if parent_of(entry) == pid:
+                found.append(int(entry))
+        except (OSError, ValueError):
             continue  # gone meanwhile
     return found
 

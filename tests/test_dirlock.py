@@ -27,7 +27,7 @@ from accelrun import stop, trust
 from accelrun.checkpoint import lock as dirlock
 from accelrun.checkpoint import owners, save
 from accelrun.checkpoint.choose import distrust
-from accelrun.checkpoint.layout import SAVING
+from accelrun.checkpoint.layout import FORMAT_VERSION, SAVING
 from accelrun.checkpoint.rotate import Rotation
 from launching import REPO, skip_unless_ci
 
@@ -170,10 +170,19 @@ def theirs_sticky(path):
     return path
 
 
+def stopped_state(step):
+    """The train_state Run saves for a stop at `step` (train_state.TRAIN_STATE's fields)."""
+    return {"step": step, "total_steps": 10, "epoch": 0, "step_in_epoch": step, "epochs_run": 0, "first_loss": 2.5,
+            "final_loss": None, "last_eval": None, "train_time": 1.0, "window": None, "output_dir": "out",
+            "run_id": "0f" * 16, "stopped": True}
+
+
 def checkpoint_like(path, step):
-    """A directory of this user's holding a checkpoint.json of step `step` that records a stopped run."""
+    """A directory of this user's holding a checkpoint.json of step `step` that records a stopped run (what the stop
+    command reads of it: the format version, the step, the layout's world size and the train_state)."""
     path.mkdir(mode=0o700)
-    (path / "checkpoint.json").write_text(json.dumps({"step": step, "train_state": {"step": step, "stopped": True}}))
+    (path / "checkpoint.json").write_text(json.dumps({"format_version": FORMAT_VERSION, "step": step,
+                                                      "layout": {"world_size": 1}, "train_state": stopped_state(step)}))
     return path
 
 
@@ -318,6 +327,27 @@ def test_the_stop_command_filters_by_owner_before_its_bound(tmp_path, capsys):
     for step in range(1000, 1000 + owners.INSPECTED):
         os.symlink("/nowhere", ckpt / f"step-{step:08d}")
         os.lchown(ckpt / f"step-{step:08d}", stranger(), stranger())
-    assert stop._newest_state(str(ckpt)) == (str(saved), {"step": 3, "stopped": True})
+    assert stop._newest_state(str(ckpt)) == (str(saved), stopped_state(3))
     assert stop._outcome(str(ckpt), 1, None, str(tmp_path), time.time()) == 75
     assert f"stopped after step 3: checkpoint {saved}" in capsys.readouterr().out
+
+
+def test_the_stop_command_reads_the_lock_and_the_manifest_by_the_runs_own_rules(tmp_path):
+    """Issue 54, item 3: the stop command read the lock and the manifest by rules of its own (a pid beyond PID_MAX, an
+    empty host name, a manifest of another format version or with a train_state no run writes were taken). It reads
+    them through the lock file's schema (lock.read_lock) and the manifest's reader (train_state.training_state)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    for fields in ({"host": socket.gethostname(), "pid": dirlock.PID_MAX + 1}, {"host": "", "pid": os.getpid()},
+                   {"host": socket.gethostname(), "pid": os.getpid(), "job": 7}):
+        (ckpt / ".lock").write_text(json.dumps(fields))
+        assert dirlock.read_lock(str(ckpt / ".lock")) is None and stop._own_locks(str(ckpt)) == [], fields
+        assert stop._holder_pid(str(ckpt))[1].startswith(f"no run holds {ckpt}"), fields
+    saved = checkpoint_like(ckpt / "step-00000003", 3)
+    assert stop._newest_state(str(ckpt)) == (str(saved), stopped_state(3))
+    for changed in ({"format_version": FORMAT_VERSION + 1}, {"train_state": {"step": 3, "stopped": True}},
+                    {"train_state": {**stopped_state(3), "step": "3"}}):
+        manifest = json.loads((saved / "checkpoint.json").read_text())
+        (saved / "checkpoint.json").write_text(json.dumps({**manifest, **changed}))
+        assert stop._newest_state(str(ckpt)) == (None, {}), changed
+        (saved / "checkpoint.json").write_text(json.dumps(manifest))

@@ -28,7 +28,10 @@ import pytest
 import torch
 
 from accelrun.checkpoint import safe_loading
+from accelrun.checkpoint.layout import FORMAT_VERSION
 from accelrun.checkpoint.resharding import NAME_SHOWN
+from accelrun.checkpoint.train_state import readable_versions
+from accelrun.checkpoint.untrusted import shown
 from checkpoint_checks import check_loadable
 from in_process import run_main
 from launching import (
@@ -370,7 +373,7 @@ def renumbered(written, ckpt, step, source=8):
     return plant
 
 
-LATER = "and this code reads format 1 only (resume it with the code that wrote it)"
+LATER = f"and this code reads format {readable_versions()} only (resume it with the code that wrote it)"
 WHAT = "which a full save of 1 process(es) writes and a resume reads"
 
 
@@ -394,7 +397,7 @@ def test_each_damaged_or_planted_checkpoint_is_skipped_with_one_line(written, da
     edit(renumbered(written, ckpt, 10), lambda m: m["train_state"].update(step="10"))
     edit(renumbered(written, ckpt, 9), lambda m: m["layout"].update(grad_accum="2"))
     edit(renumbered(written, ckpt, 13), lambda m: m.pop("format_version"))
-    edit(renumbered(written, ckpt, 12), lambda m: m.update(format_version=2))
+    edit(renumbered(written, ckpt, 12), lambda m: m.update(format_version=FORMAT_VERSION + 1))
     (ckpt / "step-00000008" / "optimizer.bin").unlink()
     rehash(ckpt / "step-00000008", "optimizer.bin", drop=True)
     missing = renumbered(written, ckpt, 7, source=6)
@@ -421,7 +424,8 @@ def test_each_damaged_or_planted_checkpoint_is_skipped_with_one_line(written, da
                10: "its train_state's step '10' is not of the type and range Run writes",
                9: "checkpoint.json: its layout's grad_accum '2' is not a number of micro-batches",
                13: f"checkpoint.json records no format_version: accelrun before format 1 wrote it, {LATER}",
-               12: f"checkpoint.json records format_version 2: another version of accelrun wrote it, {LATER}",
+               12: f"checkpoint.json records format_version {FORMAT_VERSION + 1}: another version of accelrun wrote "
+                   f"it, {LATER}",
                14: f"checkpoint.json does not list random_states_0.pkl, {WHAT}",
                8: f"checkpoint.json does not list optimizer.bin, {WHAT}",
                7: f"checkpoint.json does not list model.safetensors, {WHAT}",
@@ -617,9 +621,10 @@ def test_parameter_names_that_would_be_paths_are_refused(shelf, shelf_data, tmp_
         rehash(work, rel)
     run = shelf("gpt", "deepspeed_zero2.yaml", "--grad-accum", "2", "--checkpoint-dir", str(tmp_path / "next"),
                 "--resume", str(work), launch_args=(*FP32, "--num_processes", "1"), check=False)
-    # The line shows a name's start (a temporary path under a pytest-xdist worker is longer).
+    # The line shows a name's start, its repr cut to NAME_SHOWN characters (a temporary path under a pytest-xdist
+    # worker is longer).
     assert_refused(run, f"checkpoint {work} cannot be used: pytorch_model/mp_rank_00_model_states.pt: refused (it "
-                        f"names a parameter '{names['wpe.weight'][:NAME_SHOWN]}")
+                        f"names a parameter {shown(names['wpe.weight'], NAME_SHOWN)},")
     assert outside(tmp_path) == [] and not (tmp_path / "outside").exists()
     assert not (work / "universal").exists() and not (work / ".tmp-universal").exists()
 

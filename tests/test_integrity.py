@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from accelrun.checkpoint import manifest as manifests
 from accelrun.checkpoint import safe_loading
+from accelrun.checkpoint import train_state as manifest_json
 from accelrun.checkpoint.files import coverage, my_share
 from accelrun.checkpoint.formats import files_problem
 from accelrun.checkpoint.held import HeldCheckpoint
@@ -164,8 +164,8 @@ def manifest_with(**change):
     """A well-formed manifest of one file, with `change` applied (layout keys as layout_KEY)."""
     layout = {**LAYOUT, **{k[7:]: v for k, v in change.items() if k.startswith("layout_")}}
     fields = {k: v for k, v in change.items() if not k.startswith("layout_")}
-    return {"format_version": 1, "step": 2, "layout": layout, "must_match": {}, "train_state": {}, "files": {},
-            **fields}
+    return {"format_version": FORMAT_VERSION, "step": 2, "layout": layout, "must_match": {}, "train_state": {},
+            "files": {}, **fields}
 
 
 def test_every_manifest_field_is_checked_for_type_and_range(tmp_path):
@@ -186,13 +186,16 @@ def test_every_manifest_field_is_checked_for_type_and_range(tmp_path):
 
 
 def test_a_manifest_of_another_format_version_is_refused_naming_it(tmp_path):
-    """Issue 43, item 3: a save writes this code's format version into its manifest; a manifest of another version,
-    or of none (the checkpoints written before it was recorded), is one line saying which version wrote it."""
+    """Issue 43, item 3: a save writes this code's format version into its manifest; a manifest of a version this code
+    does not read, or of none (the checkpoints written before it was recorded), is one line saying which version
+    wrote it. Issue 54, item 4: format 2, and format 1 still reads, but for an FSDP2 LoRA checkpoint (format 1 held
+    the whole model before it held the adapters only: the two cannot be told apart)."""
     write_manifest(str(tmp_path), {k: v for k, v in manifest_with().items() if k != "format_version"})
-    assert read_manifest(str(tmp_path), contents=False)["format_version"] == FORMAT_VERSION == 1
-    later = "and this code reads format 1 only (resume it with the code that wrote it)"
+    assert read_manifest(str(tmp_path), contents=False)["format_version"] == FORMAT_VERSION == 2
+    later = "and this code reads format 1 and 2 only (resume it with the code that wrote it)"
     cases = {None: f"checkpoint.json records no format_version: accelrun before format 1 wrote it, {later}",
-             2: f"checkpoint.json records format_version 2: another version of accelrun wrote it, {later}",
+             3: f"checkpoint.json records format_version 3: another version of accelrun wrote it, {later}",
+             0: f"checkpoint.json records format_version 0: another version of accelrun wrote it, {later}",
              "1": f"checkpoint.json records format_version '1': another version of accelrun wrote it, {later}",
              True: f"checkpoint.json records format_version True: another version of accelrun wrote it, {later}"}
     for version, line in cases.items():
@@ -203,6 +206,17 @@ def test_a_manifest_of_another_format_version_is_refused_naming_it(tmp_path):
         with pytest.raises(ValueError) as refused:
             read_manifest(str(tmp_path), contents=False)
         assert str(refused.value) == line
+    fsdp = {**LAYOUT, "family": "fsdp"}
+    for version, layout, must_match, refused in ((1, LAYOUT, {"lora_r": 8}, False), (1, fsdp, {"lora_r": 0}, False),
+                                                 (1, fsdp, {"lora_r": 8}, True), (2, fsdp, {"lora_r": 8}, False)):
+        manifest = manifest_with(format_version=version, layout=layout, must_match=must_match)
+        (tmp_path / "checkpoint.json").write_text(json.dumps(manifest))
+        if refused:
+            with pytest.raises(ValueError, match="format_version 1 for an FSDP2 LoRA checkpoint, which may hold the "
+                                                 "whole model where format 2 holds the adapters only"):
+                read_manifest(str(tmp_path), contents=False)
+        else:
+            assert read_manifest(str(tmp_path), contents=False)["format_version"] == version
 
 
 def test_train_state_fields_are_checked_for_type_and_range():
@@ -339,7 +353,7 @@ def test_another_users_manifest_in_a_directory_of_mine_is_refused(tmp_path):
     other = next(uid for uid in range(50000, 60000) if uid not in {u.pw_uid for u in pwd.getpwall()})
     write_manifest(str(tmp_path), manifest_with())
     assert read_manifest(str(tmp_path), contents=False)["step"] == 2
-    manifests._PARSED.clear()
+    manifest_json._PARSED.clear()
     os.chown(tmp_path / "checkpoint.json", other, other)
     assert tmp_path.stat().st_uid == os.geteuid()
     with pytest.raises(ValueError, match=f"checkpoint.json belongs to uid {other}, not to "):
@@ -366,9 +380,9 @@ def test_a_manifest_hard_linked_into_many_checkpoints_is_parsed_once(tmp_path, m
     hard-linked into 50 directories is parsed once (the launch test's manifest was over 4 MB, refused by its size
     before the cache was reached, so a cache keyed by path passed it)."""
     parsed = []
-    real = manifests._parsed
-    monkeypatch.setattr(manifests, "_parsed", lambda data: parsed.append(len(data)) or real(data))
-    manifests._PARSED.clear()
+    real = manifest_json._parsed
+    monkeypatch.setattr(manifest_json, "_parsed", lambda data: parsed.append(len(data)) or real(data))
+    manifest_json._PARSED.clear()
     first = tmp_path / "step-00000001"
     first.mkdir()
     write_manifest(str(first), manifest_with(train_state={"pad": "x" * (1 << 20)}))

@@ -418,6 +418,125 @@ def test_each_accelrun_module_owns_one_listed_concern():
     assert not twice, f"defined in more than one accelrun module: {twice}"
 
 
+# One owner per decision, constants and private copies included (issue 54, item 3): the modules of accelrun (its
+# recipes' helpers too), bench/ and launch/.
+OWNED = sorted(p for where in (REPO / "src" / "accelrun", REPO / "bench", REPO / "launch") for p in where.rglob("*.py"))
+# Names that several modules may each define, and why: not one decision made twice.
+SHARED_NAMES = {
+    "REPO": "each bench/ and launch/ script is run by path and finds its own checkout from its own __file__",
+}
+# Literal values that constants of different names hold in two modules, and why they are two decisions.
+SHARED_VALUES = {
+    4096: "checkpoint/layout.LOCK_MAX_BYTES (a lock's few fields) and results.MARK_MAX_BYTES (run.json's two) bound "
+          "two files that may grow apart",
+    1 << 22: "checkpoint/lock.PID_MAX is Linux's (a pid a lock may name) and layout.MANIFEST_MAX_BYTES (4 MB) is the "
+             "manifest's bound: equal by chance",
+}
+
+
+def _constants(tree):
+    """{NAME: its value's node, or None} of the UPPER_CASE names a module assigns at its top level."""
+    found = {}
+    for node in tree.body:
+        targets = (node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign)
+                   else [])
+        for target in targets:
+            values = node.value.elts if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple) else None
+            names = target.elts if isinstance(target, ast.Tuple) else [target]
+            for i, name in enumerate(names):
+                if isinstance(name, ast.Name) and name.id.isupper():
+                    found[name.id] = values[i] if values else node.value
+    return found
+
+
+def _distinctive(node):
+    """The literal value of a constant's node when it is one a reader would recognise elsewhere (not 0, 1 or a small
+    count, not a short word), else None."""
+    arithmetic = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)  # 4 << 20 is a literal too
+    try:
+        if node is not None and all(isinstance(n, arithmetic) for n in ast.walk(node)):
+            value = eval(compile(ast.Expression(node), "<constant>", "eval"), {"__builtins__": {}})
+        else:
+            value = ast.literal_eval(node) if node is not None else None
+    except (ValueError, TypeError, ArithmeticError):
+        return None
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return value if abs(value) > 10 else None
+    if isinstance(value, str):
+        return value if len(value) >= 4 else None
+    return repr(value) if isinstance(value, (tuple, list, frozenset, set, dict)) and value else None
+
+
+def _body(function):
+    """A function's body without its docstring, as a comparable string; None for a short one (a line or two, which two
+    modules may well write alike)."""
+    body = function.body[1:] if ast.get_docstring(function) else function.body
+    module = ast.Module(body=body, type_ignores=[])
+    if sum(1 for _ in ast.walk(module)) < 12:
+        return None
+    # Numbers aside: a copy that cuts at 60 where the other cuts at 40 is still a copy.
+    return re.sub(r"Constant\(value=-?[0-9.e+]+\)", "Constant(value=N)", ast.dump(module))
+
+
+def module_doubles(sources):
+    """What is decided twice among `sources` ({module name: its source}): a constant NAME assigned in two modules (one
+    that imports it assigns nothing), a private function or class defined in two, one literal value under two names in
+    two modules, a function's body written out in two; SHARED_NAMES and SHARED_VALUES excepted."""
+    names, privates, values, bodies = ({} for _ in range(4))
+    for module, source in sources.items():
+        tree = ast.parse(source)
+        for name, node in _constants(tree).items():
+            names.setdefault(name, set()).add(module)
+            if _distinctive(node) is not None:
+                values.setdefault(_distinctive(node), set()).add((name, module))
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name.startswith("_") and \
+                    not node.name.startswith("__"):
+                privates.setdefault(node.name, set()).add(module)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and _body(node):
+                bodies.setdefault(_body(node), set()).add(f"{module}:{node.name}")
+    found = [f"constant {n} in {sorted(m)}" for n, m in names.items() if len(m) > 1 and n not in SHARED_NAMES]
+    found += [f"private {n} in {sorted(m)}" for n, m in privates.items() if len(m) > 1]
+    found += [f"value {v!r} as {sorted(w)}" for v, w in values.items()
+              if len({m for _, m in w}) > 1 and len({n for n, _ in w}) > 1 and v not in SHARED_VALUES]
+    found += [f"one body in {sorted(w)}" for w in bodies.values() if len({x.split(":")[0] for x in w}) > 1]
+    return found
+
+
+def test_each_decision_has_one_owner_constants_and_private_copies_too():
+    """Issue 54, item 3: the guard above sees public functions and classes; constants and private copies passed it
+    (IGNORE = -100 in two modules, DEFAULT_CHUNKS in two, a bounded read and a value's cut written out twice). Across
+    accelrun, bench/ and launch/: no constant NAME in two modules, no private function in two, no literal under two
+    names meant alike, no function body copied (SHARED_NAMES and SHARED_VALUES list the exceptions and why)."""
+    doubles = module_doubles({str(p.relative_to(REPO)): p.read_text() for p in OWNED})
+    assert not doubles, doubles
+
+
+def test_the_guard_finds_the_doubles_it_was_written_for():
+    """The doubles issue 54 found, as they were, each fail module_doubles; the fixed form (one imports it) passes."""
+    read = ("def _read(path, limit):\n    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)\n"
+            "    try:\n        return os.read(fd, limit + 1)\n    finally:\n        os.close(fd)\n")
+    cases = {
+        "constant IGNORE": {"packing.py": "IGNORE = -100\n", "chunked_loss.py": "IGNORE = -100  # packing's\n"},
+        "constant DEFAULT_CHUNKS": {"loss_flags.py": "DEFAULT_CHUNKS = 8\n", "lm_memory.py": "DEFAULT_CHUNKS = 8\n"},
+        "value 16384": {"a.py": "PID_MAX = 1 << 14\n", "b.py": "HIGHEST_PID = 16384\n"},
+        "private _read": {"untrusted.py": read, "results.py": read},
+        "one body": {"untrusted.py": read, "results.py": read.replace("_read", "_read_mark")},
+        "one body in": {"untrusted.py": "def shown(value):\n    text = repr(value)\n    return text if len(text) <= 40 "
+                                       "else text[:37] + '...'\n",
+                        "rules.py": "def _short(value):\n    text = repr(value)\n    return text if len(text) <= 60 "
+                                    "else text[:57] + '...'\n"},
+        "value 'accelrun.stop'": {"a.py": "STOP = 'accelrun.stop'\n", "b.py": "COMMAND = 'accelrun.stop'\n"},
+    }
+    for words, sources in cases.items():
+        assert any(found.startswith(words) for found in module_doubles(sources)), (words, module_doubles(sources))
+    assert module_doubles({"packing.py": "IGNORE = -100\n", "chunked_loss.py": "from packing import IGNORE\n",
+                           "a.py": "REPO = 1\nWIDTH = 8\n", "b.py": "REPO = 2\nCHUNKS = 8\n"}) == []
+
+
 # ---- Run's contract, observed from launches ----------------------------------------------------------------
 
 

@@ -21,11 +21,12 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from accelrun.checkpoint.layout import FORMAT_VERSION
+from accelrun.launcher import process_state
 from accelrun.stopping import GracefulStop, how_to_stop
 from launching import (
     CPU_SHIM,
@@ -146,7 +147,7 @@ def stop(signum, frame):
         os._exit(1)
     os.makedirs(os.path.join(directory, "step-00000007"))
     with open(os.path.join(directory, "step-00000007", "checkpoint.json"), "w") as f:
-        json.dump({"format_version": 1, "step": 7, "train_state": {"step": 7, "stopped": True, "output_dir": "out"}}, f)
+        json.dump(json.loads(os.environ["FAKE_MANIFEST"]), f)
     os.unlink(lock)
     sys.exit(75)
 signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_STOP") == "ignore" else stop)
@@ -163,9 +164,18 @@ def stop_command(directory, *extra):
                           capture_output=True, text=True, timeout=120)
 
 
+def stopped_manifest(step):
+    """The manifest of a checkpoint saved for a stop at `step`, as the stop command reads it (the format version, the
+    step, the layout's world size, the train_state of train_state.TRAIN_STATE's fields)."""
+    state = {"step": step, "total_steps": 10, "epoch": 0, "step_in_epoch": step, "epochs_run": 0, "first_loss": 2.5,
+             "final_loss": None, "last_eval": None, "train_time": 1.0, "window": None, "output_dir": "out",
+             "run_id": "0f" * 16, "stopped": True}
+    return {"format_version": FORMAT_VERSION, "step": step, "layout": {"world_size": 1}, "train_state": state}
+
+
 def fake_run(directory, crash=False, stop=""):
     directory.mkdir(exist_ok=True)
-    env = dict(os.environ, FAKE_STOP="crash" if crash else stop)
+    env = dict(os.environ, FAKE_STOP="crash" if crash else stop, FAKE_MANIFEST=json.dumps(stopped_manifest(7)))
     proc = subprocess.Popen([sys.executable, "-c", FAKE_RUN, "--checkpoint-dir", str(directory)], env=env,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("holding"), "the fake run did not start"
@@ -188,8 +198,7 @@ def test_stop_command_says_when_the_run_ended_without_saving(tmp_path):
     without saving: that older checkpoint is not this stop's, exit 1 (it was reported as saved, exit 75)."""
     earlier = tmp_path / "ckpt" / "step-00000005"
     earlier.mkdir(parents=True)
-    (earlier / "checkpoint.json").write_text(json.dumps({"format_version": 1, "step": 5,
-                                                          "train_state": {"step": 5, "stopped": True}}))
+    (earlier / "checkpoint.json").write_text(json.dumps(stopped_manifest(5)))
     run = fake_run(tmp_path / "ckpt", crash=True)
     out = stop_command(tmp_path / "ckpt")
     assert run.wait(timeout=60) == 1 and out.returncode == 1, (out.stdout, out.stderr)
@@ -266,10 +275,7 @@ def test_stop_command_signals_no_process_but_a_run_on_the_directory(tmp_path, lo
 
 def alive(pid):
     """Whether the process runs (a zombie, dead but not yet reaped by its new parent, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 def test_worker_whose_launcher_is_gone_at_start_exits_at_once(outside_any_launcher, tmp_path):

@@ -15,7 +15,8 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     checkpoint/lock.py          one writer per --checkpoint-dir: the lock, its holder alive or stale
     checkpoint/files.py         a checkpoint's files reached without following links: opened, hashed, listed
     checkpoint/held.py          a checkpoint held open and read only through what every rank verified
-    checkpoint/manifest.py      checkpoint.json: its schema and training state, read once, written once
+    checkpoint/manifest.py      checkpoint.json: its schema, layout and files checked, written once
+    checkpoint/train_state.py   checkpoint.json as the stop command reads it: JSON, versions read, training state
     checkpoint/formats.py       one object per engine's format: the files it writes, LoRA's frozen weights
     checkpoint/save.py          a save written by every rank, verified, published by one rename
     checkpoint/choose.py        which checkpoint a run resumes from: candidates, verification, falling back

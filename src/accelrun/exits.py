@@ -3,6 +3,7 @@
 Owns:
   * fail: one clear line from the main process and the same non-zero exit on every rank;
   * one_line: a message that must stay one line (an exception's text runs over several: urllib's, torchvision's);
+  * cut: a text cut short for a message, the one way every module cuts (each length a named decision of its user);
   * main_print: print() on the main process only;
   * report: the line on stderr and in torch elastic's error file, so the launcher's summary ends with it;
   * teardown: the end of every run: the process group destroyed and, in a run of several processes, the
@@ -50,8 +51,12 @@ def fail(accelerator, message, code=2, everyone=False):
 
 def one_line(text, limit=400):
     """`text` as one line: its lines joined, at most `limit` characters."""
-    joined = " ".join(line.strip() for line in str(text).splitlines() if line.strip())
-    return joined if len(joined) <= limit else joined[:limit - 3] + "..."
+    return cut(" ".join(line.strip() for line in str(text).splitlines() if line.strip()), limit)
+
+
+def cut(text, limit):
+    """`text` when it has at most `limit` characters, else its start and "..." in `limit` characters."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def report(message, main, prefix="error: ", stream=None):

@@ -3,7 +3,8 @@
 Owns the tie between a training process and the launcher that started it (accelerate launch, torchrun's elastic
 agent): whether such a launcher stands between the process and the user (launcher_in_between: it reports the
 workers' exit code 75 as 1, so the run's first line names the stop command instead, stopping.how_to_stop), which
-process it is (elastic_agent), and the orphan guard (die_with_launcher): a worker whose launcher dies, by a kill -9 or
+process it is (elastic_agent), what Linux's /proc/<pid>/stat says of a process (parent_of, process_state: its
+one reading), and the orphan guard (die_with_launcher): a worker whose launcher dies, by a kill -9 or
 an OOM kill, is killed with it, so that no orphan trains on and writes the checkpoints and logs of the rerun the user
 starts next. Linux's /proc tells; elsewhere nothing is done. Standard library only.
 """
@@ -14,10 +15,28 @@ import signal
 import sys
 
 
-def _parent_of(pid):
-    """The parent's pid, from /proc/<pid>/stat (the field after the command name, which may hold spaces)."""
+def _stat_fields(pid):
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces and parentheses: it ends at the
+    last one): [state, parent pid, ...]. OSError where /proc cannot tell: not Linux, or the process has ended."""
     with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+        fields = f.read().rpartition(")")[2].split()
+    if len(fields) < 2:
+        raise OSError(f"/proc/{pid}/stat holds no state and parent")
+    return fields
+
+
+def parent_of(pid):
+    """The parent's pid of process `pid`; OSError where /proc cannot tell."""
+    return int(_stat_fields(pid)[1])
+
+
+def process_state(pid):
+    """The state Linux gives process `pid` (R, S, D, Z for a zombie...), or None where /proc cannot tell: not Linux,
+    or it has ended. The one reading of /proc/<pid>/stat for the lock (checkpoint/lock.py's alive) and the tests."""
+    try:
+        return _stat_fields(pid)[0]
+    except OSError:
+        return None
 
 
 def _runs_torch(pid):
@@ -46,7 +65,7 @@ def elastic_agent():
             return pid
         seen.add(pid)
         try:
-            pid = _parent_of(pid) if pid != 1 else 0
+            pid = parent_of(pid) if pid != 1 else 0
         except OSError:
             return None
     return None

@@ -91,20 +91,15 @@ def holder(directory):
 
 
 def _read_mark(path, dir_fd=None):
-    """The run id in run.json, read without following a link or blocking; None if it names none."""
+    """The run id in run.json (relative to dir_fd when given), read as any small untrusted file
+    (checkpoint/untrusted.read_small: a regular file of this user's, not followed if a link, never blocking,
+    bounded); None if it names none."""
+    from .checkpoint.untrusted import read_small  # standard library only, as this module
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = os.read(fd, MARK_MAX_BYTES + 1)
-    finally:
-        os.close(fd)
-    try:
+        data = read_small(path, MARK_MAX_BYTES, dir_fd=dir_fd)
         run_id = json.loads(data).get("run_id") if len(data) <= MARK_MAX_BYTES else None
-    except (ValueError, AttributeError, RecursionError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return run_id if isinstance(run_id, str) and RUN_ID.fullmatch(run_id) else None
 

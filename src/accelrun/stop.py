@@ -9,42 +9,28 @@ its workers that is not 0 into 1. The run's first line names this command under 
 
 The directory is judged first, as the run judged it (accelrun/trust.py: by its owner and those above it); one
 that others could rename entries in is refused in one line, exit 2. Its content is untrusted: this command reads it
-only through the checkpoint package's modules that need nothing but the standard library: the names and size limits
-(checkpoint/layout.py), whose entries a run may use and how many it looks at, this user's picked out before the
-bound (checkpoint/owners.py), the bounded read of a small file (checkpoint/untrusted.py) and whether a process is
-alive (checkpoint/lock.py); it signals only a process of this host that holds the lock open.
+only through the checkpoint package's modules that need nothing but the standard library, by the very rules the run
+reads them with: the names (checkpoint/layout.py), whose entries a run may use and how many it looks at, this user's
+picked out before the bound (checkpoint/owners.py), the lock file's schema and whether a process is alive
+(checkpoint/lock.py), a manifest's format version and training state (checkpoint/train_state.py); it signals only a
+process of this host that holds the lock open.
 accelrun/__init__.py imports nothing eagerly, so the command imports no torch.
 """
 
-import json
 import os
 import signal
 import socket
 import sys
 import time
 
-from accelrun.checkpoint.layout import LOCK, LOCK_MAX_BYTES, MANIFEST, MANIFEST_MAX_BYTES, is_lock_name
-from accelrun.checkpoint.lock import alive
+from accelrun.checkpoint.layout import LOCK, is_lock_name
+from accelrun.checkpoint.lock import alive, read_lock
 from accelrun.checkpoint.owners import own_steps
-from accelrun.checkpoint.untrusted import read_small
+from accelrun.checkpoint.train_state import training_state
 from accelrun.stopping import EXIT_STOPPED
 from accelrun.trust import refusal
 
 WAIT_S = 900  # how long the command waits for the run to save and end, by default
-
-
-def _json_of(path, limit):
-    """The JSON object in the small file at `path`: a regular file of this user's, of at most `limit` bytes, read
-    without following a link or blocking on a FIFO (untrusted.read_small); None for anything else."""
-    try:
-        data = read_small(path, limit)
-    except OSError:
-        return None
-    try:
-        value = json.loads(data) if data else None
-    except (ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _holds(pid, lock):
@@ -69,23 +55,26 @@ def _holds(pid, lock):
 
 
 def _own_locks(directory):
-    """[(path, fields)] of this user's locks in `directory` that read as a lock (.lock first)."""
+    """[(path, fields)] of this user's locks in `directory` that read as a lock a run writes (lock.read_lock: the
+    lock file's one schema), .lock first."""
     try:
         names = sorted(n for n in os.listdir(directory) if is_lock_name(n))
     except OSError:
         return []
-    found = [(os.path.join(directory, n), _json_of(os.path.join(directory, n), LOCK_MAX_BYTES)) for n in names]
+    found = [(os.path.join(directory, n), read_lock(os.path.join(directory, n))) for n in names]
     return [(path, fields) for path, fields in found if fields]
 
 
 def _newest_state(directory):
-    """(path, training state) of this user's newest checkpoint whose manifest reads, or (None, {}): this user's
-    step-* entries first, then the newest owners.INSPECTED of them (another user's 1,000 planted names hid the
-    checkpoint the run saved for the stop)."""
+    """(path, training state) of this user's newest checkpoint whose manifest reads as the checkpoint code reads it
+    (train_state.training_state: a format version it reads, each field of the type and range Run writes), or
+    (None, {}): this user's step-* entries first, then the newest owners.INSPECTED of them (another user's 1,000
+    planted names hid the checkpoint the run saved for the stop)."""
     for _, path in own_steps(directory, None):
-        manifest = _json_of(os.path.join(path, MANIFEST), MANIFEST_MAX_BYTES)
-        if manifest and isinstance(manifest.get("train_state"), dict):
-            return path, manifest["train_state"]
+        try:
+            return path, training_state(path)
+        except ValueError:
+            continue
     return None, {}
 
 
@@ -98,10 +87,8 @@ def _holder_pid(directory):
                       f"this user's writes): it has ended, or it never started there")
     seen = []
     for lock, fields in locks:
-        pid, host, job = fields.get("pid"), fields.get("host"), fields.get("job")
-        if type(pid) is not int or pid < 1 or not isinstance(host, str):
-            seen.append(f"{lock} is not a lock a run writes")
-        elif host != socket.gethostname():
+        pid, host, job = fields["pid"], fields["host"], fields.get("job")  # of lock_fields' types and ranges
+        if host != socket.gethostname():
             return None, f"the run holding {directory} runs on {host} (pid {pid}): run this command there"
         elif isinstance(job, str):
             return None, (f"the run holding {directory} is Slurm job {job}: stop it with scancel --signal=TERM --full "

@@ -32,6 +32,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "launch"))
 from accelrun.exits import SELF_INFLICTED  # noqa: E402  (one pattern for a process that aborted, here and in bench/)
+from accelrun.launcher import process_state  # noqa: E402  (the one reading of /proc/<pid>/stat)
 from precision import deepspeed_json_in  # noqa: E402  (launch/: the one copy of a DeepSpeed JSON in a precision)
 
 CONFIG_DIR = REPO / "accelerate_configs"
@@ -376,11 +377,9 @@ class Background:
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
                     argv = f.read().decode(errors="replace")
-                with open(f"/proc/{entry}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if self.marker in argv and state != "Z":
+            if self.marker in argv and process_state(entry) not in (None, "Z"):
                 alive.append(int(entry))
         return alive
 

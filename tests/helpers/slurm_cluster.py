@@ -29,6 +29,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from accelrun.launcher import process_state
 from launching import free_port
 
 SLURM_BINARIES = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol")
@@ -224,10 +225,9 @@ class SlurmCluster:
         for entry in filter(str.isdigit, os.listdir("/proc")):
             try:
                 environ = set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"))
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if marks <= environ and state != "Z":
+            if marks <= environ and process_state(entry) not in (None, "Z"):
                 found.append(int(entry))
         return found
 

@@ -12,7 +12,8 @@ process and DDP, "deepspeed" for ZeRO 0-3, "fsdp" for FSDP2, sharded or full sta
   DeepSpeed's module files: exclude_frozen_parameters; FSDP2: accelerate's own adapter_only save and load of a PEFT
   model, which its save_state does not ask for: adapters_only), the load is then not strict, and a checkpoint's
   model file must hold exactly what trains: the adapters, no frozen weight.
-A new engine is one more Format here.
+A new engine is one more Format here. What a save of each format writes and keeps, as plain data: fingerprint
+(tests/test_format_version.py holds it to the format version).
 """
 
 import json
@@ -207,6 +208,43 @@ def files_problem(manifest, models=1, optimizers=1, schedulers=1):
         if not any(re.fullmatch(p, rel) for p in needed + optional):
             return f"{MANIFEST} lists {rel}, which no {what.removeprefix('a ')} writes"
     return None
+
+
+# The layouts a format's fingerprint is taken over: every family, stage and state-dict kind, on 2 processes.
+_SAMPLES = [("full", None, ()), ("fsdp", None, ()), ("fsdp", None, ("pytorch_model_fsdp_0/.metadata",))] + [
+    ("deepspeed", stage, ()) for stage in range(4)]
+
+
+class _Probe:
+    """An accelerator as a format's frozen_kwargs sees it, recording what the format asks of it."""
+
+    def __init__(self):
+        self.hooks = 0
+        self.save_state = self.load_state = self._state
+
+    def _state(self, *args, **kwargs):
+        return None
+
+    def register_save_state_pre_hook(self, hook):
+        self.hooks += 1
+
+
+def fingerprint():
+    """{family and sample layout: what a save of it writes, and what it keeps of a model with frozen parameters}: the
+    file patterns a manifest must list (expected_files, on 2 processes) and LoRA's rule (frozen_kwargs: the save and
+    load arguments, a save hook, accelerate's save_state and load_state replaced, the model file's keys checked).
+    manifest.format_fingerprint adds the manifest's fields; tests/test_format_version.py holds it to FORMAT_VERSION."""
+    found = {}
+    for family, stage, listed in _SAMPLES:
+        layout = {"family": family, "zero_stage": stage, "world_size": 2, "grad_accum": 1}
+        needed, optional = expected_files(layout, files=listed)
+        probe = _Probe()
+        save, load, checked = FORMATS[family].frozen_kwargs(probe, {"base.weight"})
+        frozen = {"save": save, "load": load, "save_hooks": probe.hooks, "model_file_checked": bool(checked),
+                  "save_and_load_replaced": [probe.save_state != probe._state, probe.load_state != probe._state]}
+        kind = f"{family}{'' if stage is None else f'-zero{stage}'}{'-sharded' if listed else ''}"
+        found[kind] = {"needed": needed, "optional": optional, "frozen": frozen}
+    return found
 
 
 class FrozenRule:

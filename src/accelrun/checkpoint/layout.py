@@ -22,8 +22,12 @@ import os
 import re
 
 # The version of the checkpoint format (this layout, formats.py's files, manifest.py's schema) that a manifest
-# records: a checkpoint of another version, or of none (those written before it was recorded), is refused by name.
-FORMAT_VERSION = 1
+# records; docs/checkpoints.md, "What a format version promises". A change of what a save writes or records moves it
+# (tests/test_format_version.py holds that); the versions from READ_SINCE on still load, a checkpoint of any other,
+# or of none (those written before it was recorded), is refused by name (train_state.version_problem).
+# 2: FSDP2's LoRA checkpoints hold the adapters only (format 1 held the whole model when it began).
+FORMAT_VERSION = 2
+READ_SINCE = 1  # the oldest format version this code still reads
 
 MANIFEST = "checkpoint.json"  # written last, by the main process: the checkpoint exists once it does
 DERIVED, DERIVING = "universal", ".tmp-universal"  # a checkpoint's derived part, and its conversion in progress
@@ -39,6 +43,9 @@ LOCK_NAMES = re.compile(r"\.lock(?:\.\d+\.[0-9a-f]{8})?")  # .lock, and a user's
 # What reading an untrusted entry may cost, checked on the open file before a byte is read: a manifest is a few KB
 # (about 600 bytes per rank of the run that wrote it), a lock holds a few fields.
 MANIFEST_MAX_BYTES = 4 << 20
+# The most processes, and micro-batches per optimizer step, a layout may record: beyond any real run, and small
+# enough that the arithmetic a resume does with them (resharding.py) stays exact.
+LAYOUT_MAX = 1 << 20
 LOCK_MAX_BYTES = 4096
 
 

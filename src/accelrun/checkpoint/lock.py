@@ -10,8 +10,9 @@ shared directory with the sticky bit, another user's .lock (or .lock.takeover) d
 back and cannot be removed: the run then locks under a name of its own, .lock.<uid>.<random>, and a run
 that finds another live lock of its user's stops (owners.py: a run uses only its own user's entries).
 
-Also owns whether a process on this host is alive (alive: a zombie is not), which the stop command asks too. Its
-names are layout.py's, and it reads a lock as any small untrusted file (untrusted.py). Standard library only."""
+Also owns the lock file's schema (lock_fields, read_lock) and whether a process on this host is alive (alive: a
+zombie is not; launcher.process_state reads /proc), which the stop command asks too. Its names are layout.py's, and it
+reads a lock as any small untrusted file (untrusted.py). Standard library only."""
 
 import atexit
 import json
@@ -24,6 +25,7 @@ import sys
 import threading
 import time
 
+from ..launcher import process_state
 from ..trust import refusal
 from .layout import LOCK, LOCK_MAX_BYTES, SAVING, TAKEOVER, TMP, is_lock_name, own_lock_name
 from .owners import Passed, theirs
@@ -234,7 +236,7 @@ class DirectoryLock:
             raise FileNotFoundError(f"{path} was just removed") from None
         except OSError:  # replaced by a link or a FIFO, grown past a lock, or made unreadable meanwhile: unknown
             return None, age, identity
-        return _holder(data), age, identity
+        return lock_fields(data), age, identity
 
     def _stale(self, path=None):
         """(holder, None) for a live holder, or (holder, why it is stale) of the lock at .lock (or `path`); holder:
@@ -324,9 +326,20 @@ def _remove_own(path):
         pass
 
 
-def _holder(data):
+def read_lock(path):
+    """The fields of the lock file at `path` (lock_fields), read as any small untrusted file (untrusted.read_small: a
+    regular file of this user's, no link followed, no FIFO blocking, at most LOCK_MAX_BYTES), or None for anything
+    else. The stop command's one way to read a lock."""
+    try:
+        return lock_fields(read_small(path, LOCK_MAX_BYTES))
+    except OSError:
+        return None
+
+
+def lock_fields(data):
     """The fields of a lock this code writes, read from its bytes, or None: not JSON, not a dict, or a field of
-    the wrong type or out of range (a pid beyond PID_MAX would overflow os.kill)."""
+    the wrong type or out of range (a pid beyond PID_MAX would overflow os.kill). The lock file's one schema, for
+    the run taking the lock and the stop command (accelrun/stop.py) alike."""
     try:
         fields = json.loads(data) if len(data) <= LOCK_MAX_BYTES else None
     except (ValueError, RecursionError):
@@ -352,14 +365,4 @@ def alive(pid):
         return False
     except PermissionError:
         pass  # another user's process: it exists
-    return _state(pid) != "Z"
-
-
-def _state(pid):
-    """The state Linux gives process `pid` (R, S, D, Z...), from /proc/<pid>/stat (the field after the command name,
-    which may hold spaces), or None where /proc cannot tell: not Linux, or it has just ended."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    return process_state(pid) != "Z"

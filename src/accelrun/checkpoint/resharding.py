@@ -42,8 +42,9 @@ from .layout import DERIVED, DERIVING
 from .manifest import read_manifest, write_manifest
 from .rules import saved_grad_accum
 from .safe_loading import UnsafeCheckpointFile, plain_name, weights_only_loading
+from .untrusted import shown
 
-# A refused parameter name is planted, of any length: the refusal line shows its first characters.
+# A refused parameter name is planted, of any length: the refusal line shows its first characters (untrusted.shown).
 NAME_SHOWN = 80
 
 
@@ -133,7 +134,7 @@ def path_names_problem(held):
                 for part in group if isinstance(group, list) else [group]:
                     bad = next((n for n in (part if isinstance(part, dict) else {}) if not plain_name(n)), None)
                     if bad is not None:
-                        return f"{rel}: refused (it names a parameter {str(bad)[:NAME_SHOWN]!r}, which a model's " \
+                        return f"{rel}: refused (it names a parameter {shown(bad, NAME_SHOWN)}, which a model's " \
                                f"parameter never is: the conversion would write outside its directory)"
     return None
 

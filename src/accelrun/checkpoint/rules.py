@@ -21,8 +21,8 @@ import json
 from accelerate.utils import DistributedType
 
 from ..engines import engine_facts
-from .untrusted import shown as shown_value
-from .untrusted import whole
+from .layout import LAYOUT_MAX
+from .untrusted import shown, whole
 
 # Flags of the run services (add_run_args) that may differ between a run and its resume, and why.
 MAY_CHANGE = {
@@ -107,8 +107,8 @@ def must_match_settings(args, may_change, data_facts):
     return json.loads(json.dumps({**flags, **data_facts}))
 
 
-MAX_GRAD_ACCUM = 1 << 20  # as manifest.py bounds the layout's grad_accum
-SHOWN = 4  # differing settings named in incompatibility's one line; the rest are counted
+SETTINGS_NAMED = 4  # differing settings named in incompatibility's one line; the rest are counted
+SETTING_SHOWN = 60  # characters of each setting's value shown there (a path, a list of flags)
 
 
 def incompatibility(manifest, now, must_match):
@@ -121,8 +121,8 @@ def incompatibility(manifest, now, must_match):
         return (f"it was written with sequence parallelism of size {saved_sp} and this run has {now_sp} "
                 f"(parallelism_config_sp_size): a resume onto another split of each sequence is not tested, so it is "
                 f"refused. Resume it with the config that wrote it, or give another --checkpoint-dir")
-    if not whole(saved_grad_accum(manifest, now), 1, MAX_GRAD_ACCUM):  # what resharding computes with
-        return (f"its grad_accum {shown_value(_saved_accum(manifest))} is not a number of micro-batches, so this run "
+    if not whole(saved_grad_accum(manifest, now), 1, LAYOUT_MAX):  # what resharding computes with
+        return (f"its grad_accum {shown(_saved_accum(manifest))} is not a number of micro-batches, so this run "
                 f"cannot tell how it split the global batch")
     before = manifest["must_match"]
     differ = {k: (before.get(k, "<not set>"), must_match.get(k, "<not set>"))
@@ -134,11 +134,12 @@ def incompatibility(manifest, now, must_match):
         return (f"its LoRA adapters were trained on other base weights than --model {must_match.get('model')} holds "
                 f"now (fingerprint {saved}, now {now_held}): adapters continued on another base are trained on two. "
                 f"Give --model the weights it was trained on")
-    shown = ", ".join(f"{k} {_short(a)} vs {_short(b)}" for k, (a, b) in list(differ.items())[:SHOWN])
-    more = f" and {len(differ) - SHOWN} more" if len(differ) > SHOWN else ""
+    listed = ", ".join(f"{k} {shown(a, SETTING_SHOWN)} vs {shown(b, SETTING_SHOWN)}"
+                       for k, (a, b) in list(differ.items())[:SETTINGS_NAMED])
+    more = f" and {len(differ) - SETTINGS_NAMED} more" if len(differ) > SETTINGS_NAMED else ""
     # A checkpoint written before manifests named their recipe: flags only one side has mean another recipe.
     other = " (flags only one of them has: a checkpoint of another recipe?)" if set(before) ^ set(must_match) else ""
-    return f"these settings differ from the run that wrote it (saved, now): {shown}{more}{other}" + _keep_batch(
+    return f"these settings differ from the run that wrote it (saved, now): {listed}{more}{other}" + _keep_batch(
         differ.get("batch_size", (None,))[0], now)
 
 
@@ -160,11 +161,6 @@ def processes_hint(batch_size, grad_accum, world):
         fits, accum = [n for n in range(1, max(8, 2 * world) + 1) if batch_size % n == 0][:6], " with --grad-accum 1"
     counts = ", ".join(map(str, fits[:-1])) + (" or " if len(fits) > 1 else "") + str(fits[-1])
     return f"launch {counts} process{'es' if fits != [1] else ''}{accum} (accelerate launch --num_processes N)"
-
-
-def _short(value):
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def reshaped(manifest, now):

@@ -12,7 +12,10 @@ import errno
 import os
 import stat
 
+from ..exits import cut
 from .owners import theirs
+
+VALUE_SHOWN = 40  # characters of a value read from an untrusted file that a message shows: enough to recognise it
 
 
 class RefusedFile(OSError):
@@ -67,10 +70,11 @@ def open_regular(path, size=None, name=None, dir_fd=None, limit=None):
         raise
 
 
-def read_small(path, limit, name=None):
-    """The bytes of the small file at `path`: open_regular's checks with `limit`, then at most `limit` bytes read
-    (one more, so that a file that grew since its check reads as too long to its parser)."""
-    with open_regular(path, name=name, limit=limit) as f:
+def read_small(path, limit, name=None, dir_fd=None):
+    """The bytes of the small file at `path` (relative to dir_fd when given): open_regular's checks with `limit`,
+    then at most `limit` bytes read (one more, so that a file that grew since its check reads as too long to its
+    parser)."""
+    with open_regular(path, name=name, dir_fd=dir_fd, limit=limit) as f:
         return f.read(limit + 1)
 
 
@@ -79,7 +83,6 @@ def whole(value, low=0, high=1 << 62):
     return type(value) is int and low <= value <= high
 
 
-def shown(value):
-    """A value read from an untrusted file, for a message: its repr, cut short."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+def shown(value, limit=VALUE_SHOWN):
+    """A value read from an untrusted file, for a message: its repr, cut to `limit` characters (exits.cut)."""
+    return cut(repr(value), limit)

@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import default_collate
 
-from .loss_flags import DEFAULT_CHUNKS  # noqa: F401  (the default, with its reason)
+from .packing import IGNORE  # the label of a position that is not in the loss (cross_entropy's ignore_index)
 
-IGNORE = -100  # finetune/packing.py's: a position that is not in the loss (cross_entropy's ignore_index)
 LOSS_COUNT = "loss_count"  # the batch key with_loss_count adds: the batch's loss positions, a Python int
 # The CausalLM forwards whose logits are the output layer's, unchanged: the loss is then computed in it.
 PLAIN_HEAD = re.compile(r"logits = self\.lm_head\(hidden_states[^\n]*\)\s*\n\s*(loss = None|if labels is not None)")
