@@ -56,7 +56,7 @@ def _version_problem(manifest):
 
 
 def _layout_problem(layout):
-    """None, or why a manifest's layout is not one rules.layout writes."""
+    """None, or why a manifest's layout is not one engines.Engine.layout writes."""
     if not (isinstance(layout, dict) and {"family", "zero_stage", "world_size"} <= set(layout)
             <= {"family", "zero_stage", "world_size", "grad_accum", "sequence_parallel"}):
         return "its layout is not one this code writes"
