@@ -91,7 +91,7 @@ def test_the_first_line_says_that_the_json_overrode_mixed_precision_no():
     """Issue 53, item 10: `--mixed_precision no` under DeepSpeed trained in the JSON's bf16 (4.5x slower on a CPU
     without bf16 units) and the first line named the JSON and its fp32 twin, not that the flag was overridden. Now
     it says so; without the flag (accelerate launch passes "no" then too) it says where the precision came from."""
-    from accelrun.engines import mixed_precision_flag_given, precision_source
+    from accelrun.engines.zero import mixed_precision_flag_given, precision_source
     env = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "accelerate_configs/deepspeed_zero2.json",
            "ACCELERATE_MIXED_PRECISION": "no"}
     typed = ["/venv/bin/accelerate", "launch", "--config_file", "accelerate_configs/deepspeed_zero2.yaml",

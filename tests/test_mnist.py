@@ -181,7 +181,8 @@ def test_sharded_configs_match_ddp_step_by_step(reference, config):
 def assert_log_a_person_can_read(output):
     """A ZeRO-3 log (20 progress lines here) is its progress lines plus start-up and end lines, not one torch
     deprecation warning per collective per step (DeepSpeed 0.19.8's all_gather_into_tensor / reduce_scatter_tensor,
-    silenced by accelrun/engines.py quiet_deprecated_collectives: 202 lines for 22 progress and evaluation lines)."""
+    silenced by accelrun/engines/zero.py quiet_deprecated_collectives: 202 lines for 22 progress and evaluation
+    lines)."""
     lines = output.splitlines()
     progress = [line for line in lines if line.startswith("epoch ")]
     assert len(progress) >= 20, output[-3000:]

@@ -144,13 +144,15 @@ def test_a_resume_whose_batch_does_not_split_is_told_only_the_resumes_way(tmp_pa
     from argparse import Namespace
     from types import SimpleNamespace
 
+    from accelerate.utils import DistributedType
+
     from accelrun import refusals
 
     ckpt = tmp_path / "ckpt"
     (ckpt / "step-00000050").mkdir(parents=True)
     said = []
     monkeypatch.setattr(refusals, "fail", lambda accelerator, message, everyone=False: said.append(message))
-    three = SimpleNamespace(num_processes=3, parallelism_config=None)
+    three = SimpleNamespace(num_processes=3, parallelism_config=None, distributed_type=DistributedType.MULTI_CPU)
     refusals.check_batch(three, 128, 1, None, Namespace(resume="auto", checkpoint_dir=str(ckpt)))
     assert len(said) == 1 and "for a new run" not in said[0] and "--batch-size 126" not in said[0], said
     assert said[0] == (f"--batch-size 128 is the global batch of one optimizer step and must divide by processes x "

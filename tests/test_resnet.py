@@ -68,8 +68,13 @@ def test_resnet_refuses_optimizer_offload_as_linear_regression_does(monkeypatch)
     with pytest.raises(Reached), kept_process_state():
         resnet.main(["--data-dir", "unused", "--output-dir", "unused"])
     said = []
-    monkeypatch.setattr(refusals, "engine_facts", lambda accelerator: {"offload_optimizer": True})
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}  # deepspeed_zero3_offload
+    offloading = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(
+        deepspeed_plugin=SimpleNamespace(deepspeed_config=offload)))
     monkeypatch.setattr(refusals, "fail", lambda accelerator, message, everyone=False: said.append(message))
-    refusals.refuse_optimizer_offload(None, *handed["refuse_offload"])
+    refusals.refuse_optimizer_offload(offloading, *handed["refuse_offload"])
     assert said == ["ResNet trains with SGD and momentum, and fits on a GPU without offload: DeepSpeed optimizer "
                     "offload silently replaces SGD by its CPU Adam; use deepspeed_zero2.yaml instead."], said

@@ -97,9 +97,12 @@ def test_a_resume_onto_another_sequence_parallel_size_is_refused():
 def test_other_recipes_refuse_a_sequence_parallel_config():
     """mnist, gpt, resnet and linear_regression under a config with sequence parallelism: one line (accelerate would
     stop in prepare() with a traceback: Ulysses works on Hugging Face models only)."""
+    from accelerate.utils import DistributedType
+
     from accelrun import refusals
     said = []
-    accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=2, sp_backend="deepspeed"))
+    accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=2, sp_backend="deepspeed"),
+                                  distributed_type=DistributedType.DEEPSPEED, num_processes=2)
     original = refusals.fail
     refusals.fail = lambda acc, message, everyone=False: said.append(message)
     try:

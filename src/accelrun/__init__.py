@@ -28,14 +28,17 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     trust.py                    which directories a run may write into: trusted by their owner, as ssh trusts a path
     results.py                  where results go (run.json), written without following links
     collectives.py              verdicts every rank reaches together
-    sharded_model.py            run.sharded_init(): the model built sharded under ZeRO-3 and FSDP
+    sharded_model.py            the words for how a model was built, and FSDP's allocation without writing
     stopping.py                 stop signals, the agreement between ranks, exit code 75, the line naming how to stop
     stop.py                     the stop command: python3 -m accelrun.stop DIR stops the run that holds DIR
     launcher.py                 the launcher a worker runs under: its exit code's fate, dying with it (no orphan)
     timing.py                   the data / forward+backward / optimizer / other split, without stalling the GPU
     reporting.py                metrics.jsonl, the progress and evaluation lines, --profile, memory, summary.json
     refusals.py                 launches that would train wrongly, refused at start-up with one message
-    engines.py                  what accelerate set up, the adjustments that make every engine train alike, the export
+    engines/base.py             Engine.of: the one engine of a run; what every way of running shares, the defaults
+    engines/ddp.py              OneProcessOrDDP: one process or DDP, the whole state everywhere, its checkpoint format
+    engines/zero.py             DeepSpeed: ZeRO 0-3 and offload, its clipping, zero.Init, fp32 masters, its format
+    engines/fsdp2.py            FSDP2: fp32 reduction, the model built sharded, per-rank buffers, its format
     optimizers.py               which optimizer really steps, and the scheduler pointed at it
     exits.py                    one message and one exit code from every rank; the process group torn down
 """

@@ -15,10 +15,9 @@ import os
 import sys
 
 import torch
-from accelerate.utils import DistributedType
 
 from .checkpoint.rules import processes_hint
-from .engines import deepspeed_config, engine_facts, sequence_parallel_size
+from .engines import Engine
 from .exits import fail, report, teardown
 
 ON_A_CPU = "docs/configs.md, 'On a CPU'"
@@ -33,7 +32,7 @@ def check_gpus_before_start(sequence_parallel=False):
     GPU needs the CPU route (engine_without_gpu). Every rank refuses at once, the first one saying why."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     first = os.environ.get("LOCAL_RANK", "0") == "0"
-    if not sequence_parallel and (size := launched_sequence_parallel_size()) > 1:
+    if not sequence_parallel and (size := Engine.launched_sequence_parallel()) > 1:
         report(sequence_parallel_refusal(size), first)
         sys.exit(2)
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
@@ -51,19 +50,6 @@ def check_gpus_before_start(sequence_parallel=False):
         sys.exit(2)
 
 
-def launched_sequence_parallel_size():
-    """The sequence-parallel size the launch asks for, from the environment accelerate launch sets from the config's
-    parallelism_config (what Accelerator() will read): 1 without it, as engines.sequence_parallel_size."""
-    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return 1
-    if os.environ.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed") != "deepspeed":
-        return 1
-    try:
-        return max(1, int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1")))
-    except ValueError:
-        return 1  # not a number: Accelerator() says so in its own words
-
-
 def sequence_parallel_refusal(size):
     """The one line for a recipe that has no use for sequence parallelism under a config that asks for it."""
     return (f"this recipe does not run under sequence parallelism (parallelism_config_sp_size {size} in the config): "
@@ -75,8 +61,7 @@ def engine_without_gpu(use_cpu):
     sets ACCELERATE_USE_DEEPSPEED or ACCELERATE_USE_FSDP from the config) would not run. ACCELERATE_USE_CPU=1 turns
     either off; without the CPU route accelerate sets up no process group, and DeepSpeed, imported by Accelerator(),
     would first compile its shared-memory op for minutes. Decided from the environment, before that import."""
-    wanted = [engine for env, engine in (("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED"), ("ACCELERATE_USE_FSDP", "FSDP"))
-              if os.environ.get(env, "false").lower() == "true"]
+    wanted = [kind.accelerate_type.value for kind in Engine.kinds if kind.asked_by(os.environ)]
     if not wanted:
         return None
     if use_cpu:
@@ -99,16 +84,15 @@ def on_cpu_route():
 def check_launch(accelerator):
     """Refuse to train as silent independent copies, or without the engine the config asked for. Said once, by the
     launch's rank 0 (RANK): processes that each set up alone are each accelerate's main process."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if accelerator.num_processes != launched or (launched > 1 and accelerator.distributed_type == DistributedType.NO):
+    launched, engine = int(os.environ.get("WORLD_SIZE", "1")), Engine.of(accelerator)
+    if accelerator.num_processes != launched or (launched > 1 and not engine.in_process_group):
         _refuse_launch(accelerator, f"the launcher started {launched} processes, but accelerate set up "
-                                    f"{accelerator.num_processes} ({accelerator.distributed_type}): each would train "
+                                    f"{accelerator.num_processes} ({engine.running}): each would train "
                                     f"alone. {CPU_HINT}")
-    for env, wanted in (("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED),
-                        ("ACCELERATE_USE_FSDP", DistributedType.FSDP)):
-        if os.environ.get(env, "false").lower() == "true" and accelerator.distributed_type != wanted:
-            _refuse_launch(accelerator, f"the config asks for {wanted.value} but accelerate is running "
-                                        f"{accelerator.distributed_type.value}. {CPU_HINT}")
+    wanted = engine.asked_otherwise(os.environ)
+    if wanted:
+        _refuse_launch(accelerator, f"the config asks for {wanted.accelerate_type.value} but accelerate is running "
+                                    f"{engine.running.value}. {CPU_HINT}")
 
 
 def _refuse_launch(accelerator, message):
@@ -122,7 +106,7 @@ def check_sequence_parallel(accelerator, supported):
     """A config with sequence parallelism (parallelism_config_sp_size > 1) for a recipe that has no use for it:
     DeepSpeed's Ulysses works on Hugging Face models only, and accelerate would stop in prepare() with a traceback.
     A launched run was refused before Accelerator() (check_gpus_before_start); this holds for one built otherwise."""
-    size = sequence_parallel_size(accelerator)
+    size = Engine.of(accelerator).sequence_parallel
     if size > 1 and not supported:
         fail(accelerator, sequence_parallel_refusal(size), everyone=True)
 
@@ -131,7 +115,7 @@ def check_batch(accelerator, batch_size, grad_accum=1, eval_batch_size=None, arg
     """The global batch of one optimizer step must split evenly over the processes that read different data (all
     of them, or under sequence parallelism each group of them) x accumulation steps. args: the run's flags, which
     say whether it resumes a checkpoint (resumed_from)."""
-    readers = accelerator.num_processes // sequence_parallel_size(accelerator)
+    readers = Engine.of(accelerator).readers  # the processes that read different data (processes / sp size)
     problem = batch_problem(readers, batch_size, grad_accum, eval_batch_size, resumed_from(args))
     if problem:
         fail(accelerator, problem, everyone=True)
@@ -173,22 +157,15 @@ def batch_problem(world, batch_size, grad_accum=1, eval_batch_size=None, resumin
 def refuse_optimizer_offload(accelerator, why, instead):
     """For recipes built on SGD: under DeepSpeed optimizer offload, prepare() silently replaces whatever
     torch optimizer the recipe made by DeepSpeed's CPU Adam. Stop before that, with one line."""
-    if engine_facts(accelerator)["offload_optimizer"]:
+    if Engine.of(accelerator).offloads_optimizer:
         fail(accelerator, f"{why}: DeepSpeed optimizer offload silently replaces SGD by its CPU Adam; "
                           f"use {instead} instead.", everyone=True)
 
 
 def check_deepspeed_flags(accelerator, grad_accum, max_grad_norm, prepared=True):
-    """The flags decide accumulation and clipping; a DeepSpeed config that says otherwise is an error. Before
-    prepare() (prepared=False) the JSON's own numbers are compared, so that the refusal comes before any data or
-    model loads; after it, what accelerate made of them ('auto' filled in)."""
-    ds = deepspeed_config(accelerator)
-    if not ds:
-        return
-    accum = accelerator.gradient_accumulation_steps if prepared else ds.get("gradient_accumulation_steps", "auto")
-    clip = ds.get("gradient_clipping", 0.0 if prepared else "auto")
-    if (accum != "auto" and accum != grad_accum) or (clip != "auto" and float(clip) != max_grad_norm):
-        fail(accelerator, f"the DeepSpeed config sets gradient_accumulation_steps="
-                          f"{ds.get('gradient_accumulation_steps')} and gradient_clipping="
-                          f"{ds.get('gradient_clipping')}, the flags say {grad_accum} and {max_grad_norm}: "
-                          f"remove those keys from the YAML so the flags decide.", everyone=True)
+    """The flags decide accumulation and clipping; an engine's config that says otherwise (DeepSpeed's JSON) is an
+    error (Engine.flags_problem). Before prepare() (prepared=False) the JSON's own numbers are compared, so that the
+    refusal comes before any data or model loads; after it, what accelerate made of them ('auto' filled in)."""
+    problem = Engine.of(accelerator).flags_problem(grad_accum, max_grad_norm, prepared)
+    if problem:
+        fail(accelerator, problem, everyone=True)

@@ -39,16 +39,7 @@ from . import results
 from .cadence import Cadence, Progress
 from .checkpoint import NoCheckpoints
 from .checkpoint.rules import must_match_settings
-from .engines import (
-    cast_buffers_for_half_precision,
-    deepspeed_clip_like,
-    engine_facts,
-    fsdp_reduce_in_fp32,
-    gradient_sync,
-    name_the_cpu_for_deepspeed,
-    quiet_deprecated_collectives,
-    run_label,
-)
+from .engines import Engine, name_the_cpu_for_deepspeed, quiet_deprecated_collectives
 from .epochs import resumable_epochs
 from .exits import fail, main_print, teardown
 from .finishing import finish_run
@@ -73,7 +64,7 @@ from .reporting import (
     quiet_progress_bars,
     start_tracking,
 )
-from .sharded_model import BUILT_WHOLE, check_whole_model_fits, sharded_building
+from .sharded_model import BUILT_WHOLE
 from .starting import already_complete, keeps_checkpoints, place_results, settle
 from .stopping import GracefulStop, how_to_stop, stopped
 from .timing import StepTimer
@@ -107,6 +98,7 @@ class Run:
         accumulation steps are the Accelerator's, read here, before prepare(): a DeepSpeed config that says
         otherwise is refused in start()."""
         self.accelerator, self.print = accelerator, main_print(accelerator)
+        self.engine = Engine.of(accelerator)  # the way this run runs, asked once (engines/)
         self.batch_size, self.max_grad_norm = batch_size, max_grad_norm
         self.grad_accum = accelerator.gradient_accumulation_steps
         check_launch(accelerator)
@@ -115,11 +107,11 @@ class Run:
         if refuse_offload:
             refuse_optimizer_offload(accelerator, *refuse_offload)
         check_batch(accelerator, batch_size, self.grad_accum, eval_batch_size, self.args)
-        deepspeed_clip_like(accelerator, max_grad_norm)
+        self.engine.clip_like(max_grad_norm)
         check_deepspeed_flags(accelerator, self.grad_accum, max_grad_norm, prepared=False)
-        fsdp_reduce_in_fp32(accelerator)
-        self.engine_facts = engine_facts(accelerator)
-        self.default_output_dir = default_output_dir or os.path.join("runs", self.name, run_label(accelerator))
+        self.engine.reduce_in_fp32()
+        self.engine_facts = self.engine.facts()
+        self.default_output_dir = default_output_dir or os.path.join("runs", self.name, self.engine.label())
         settle(self)  # the lock, the checkpoint to resume, where results go, a finished run: before any loading
 
     @contextlib.contextmanager
@@ -127,14 +119,14 @@ class Run:
         """`with run.sharded_init(): model = ...`: under ZeRO-3 and FSDP no process holds it whole
         (sharded_model.py). from_pretrained: a Hugging Face from_pretrained() inside; quantized: loading it quantised
         (every process loads it whole; prepare() shards it)."""
-        with sharded_building(self.accelerator, from_pretrained, quantized) as how:
+        with self.engine.building(from_pretrained, quantized) as how:
             self.model_init = how
             yield
 
     def check_whole_model_fits(self, n_params):
         """Before loading a pretrained model of n_params parameters (and its data): under ZeRO-3 without
-        zero3_init_flag every process loads it whole first; stop if they cannot hold it (sharded_model.py)."""
-        check_whole_model_fits(self.accelerator, n_params)
+        zero3_init_flag every process loads it whole first; stop if they cannot hold it (engines/zero.py)."""
+        self.engine.check_whole_model_fits(n_params)
 
     def fail(self, message):
         """One clear line from the main process; every rank exits 2. Call it on every rank."""
@@ -153,8 +145,8 @@ class Run:
         check_deepspeed_flags(acc, self.grad_accum, self.max_grad_norm)
         repoint_scheduler(optimizer, scheduler)
         self.optimizer = optimizer
-        cast_buffers_for_half_precision(acc, model)
-        self.engine_facts.update(gradient_sync(acc, model))
+        self.engine.cast_buffers(model)
+        self.engine_facts.update(self.engine.gradient_sync(model))
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         # The epochs the loader is restarted for: as many as the steps need (none when an epoch has no step).
         self.epoch_count = math.ceil(total_steps / steps_per_epoch) if steps_per_epoch else 0

@@ -16,8 +16,9 @@ step waits for the device; on a CPU each mark is the wall clock.
 import time
 
 import torch
-from accelerate.utils import DistributedType
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .engines import Engine
 
 PHASES = ("data", "forward_backward", "optimizer", "other")
 
@@ -140,4 +141,4 @@ class StepTimer:
                 **{f"{phase}_ms": 1000 * self.steady[phase] / n for phase in PHASES},
                 f"{unit}_per_s": self.steady_micro * samples_per_micro / max(total, 1e-9),
                 "data_fraction": self.steady["data"] / max(total, 1e-9),
-                "optimizer_in_backward": self.accelerator.distributed_type == DistributedType.DEEPSPEED}
+                "optimizer_in_backward": Engine.of(self.accelerator).optimizer_in_backward}

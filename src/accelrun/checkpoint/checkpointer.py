@@ -11,16 +11,16 @@ modules' of this package. Every rank calls every method but release (docs/checkp
 import time
 
 from ..collectives import main_process_result
+from ..engines import Engine
 from . import no_times
 from .choose import Chooser, distrust, peek, start_refusal
-from .formats import FrozenRule, of
+from .formats import FrozenRule
 from .layout import size_limit
 from .load import load
 from .lock import take
 from .manifest import run_problem
 from .owners import Passed
 from .rotate import Rotation
-from .rules import layout
 from .save import Saver
 
 
@@ -35,21 +35,21 @@ def lock_directory(accelerator, directory, resume="auto", recipe=None):
         lock, error = take(directory) if directory else (None, None)
         error = error or distrust(None, resume)  # the checkpoint --resume names, where it lies
         peeked = None if error or resume == "none" else peek(directory, resume)
-        error = error or (peeked and start_refusal(*peeked, layout(accelerator), recipe))
+        error = error or (peeked and start_refusal(*peeked, Engine.of(accelerator).layout(), recipe))
         if error and lock:
             lock.release()
     return lock, main_process_result(accelerator, (peeked, error))
 
 
 class Scope:
-    """What every stage asks of this run: its accelerator and --checkpoint-dir, its layout and engine format, the
-    settings and recipe a checkpoint must match, what a checkpoint of its model can hold, and, for the whole run,
-    the entries passed over (each named once) and the checkpoints verified (each checked once)."""
+    """What every stage asks of this run: its accelerator and --checkpoint-dir, its engine (whose checkpoint format
+    it is) and layout, the settings and recipe a checkpoint must match, what a checkpoint of its model can hold, and,
+    for the whole run, the entries passed over (each named once) and the checkpoints verified (each checked once)."""
 
     def __init__(self, accelerator, directory, must_match, model, recipe):
         self.accelerator, self.directory, self.must_match, self.recipe = accelerator, directory, must_match, recipe
-        self.layout = layout(accelerator)  # with the accelerator's accumulation steps: a resume may change them
-        self.format = of(self.layout)
+        self.engine = Engine.of(accelerator)  # the run's, decided once
+        self.layout = self.engine.layout()  # with the accelerator's accumulation steps: a resume may change them
         self.size_limit = size_limit(sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()))
         self.passed = Passed("skipping checkpoint")  # entries not used: another user's, damaged; each named once
         self.verified = set()  # checkpoints in --checkpoint-dir whose every file this run checked or wrote
@@ -66,7 +66,7 @@ class Checkpointer:
         whose per-rank buffers FSDP needs kept; lock: lock_directory()'s, taken at start-up; recipe: the recipe's
         name, recorded in each manifest (a checkpoint of another recipe is named as such)."""
         self.scope = Scope(accelerator, directory, must_match, model, recipe)
-        self.frozen = FrozenRule(accelerator, model, self.scope.format)  # LoRA: what saves leave out
+        self.frozen = FrozenRule(self.scope.engine, model)  # LoRA: what saves leave out
         self.saver = Saver(self.scope, lock, model, self.frozen.save_kwargs)
         self.chooser, self.rotation = Chooser(self.scope, self.frozen), Rotation(self.scope, keep_last)
         self.model, self.lock, self.keep_last = model, lock, keep_last

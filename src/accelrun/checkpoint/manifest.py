@@ -26,7 +26,7 @@ from .untrusted import shown, whole
 
 MANIFEST_FIELDS = {"format_version", "step", "layout", "must_match", "train_state", "files"}
 OPTIONAL_FIELDS = {"recipe", "derived_from"}  # the recipe that wrote it (since issue 36); a derived part's source
-LAYOUT_FIELDS = {"family", "zero_stage", "world_size"}  # rules.layout writes them always,
+LAYOUT_FIELDS = {"family", "zero_stage", "world_size"}  # engines.Engine.layout writes them always,
 LAYOUT_OPTIONAL = {"grad_accum", "sequence_parallel"}  # these where they apply
 
 
@@ -41,7 +41,7 @@ def _is_sha256(value):
 
 
 def _layout_problem(layout):
-    """None, or why a manifest's layout is not one rules.layout writes."""
+    """None, or why a manifest's layout is not one engines.Engine.layout writes."""
     if not (isinstance(layout, dict) and LAYOUT_FIELDS <= set(layout) <= LAYOUT_FIELDS | LAYOUT_OPTIONAL):
         return "its layout is not one this code writes"
     family, stage = layout["family"], layout["zero_stage"]
@@ -73,7 +73,8 @@ def read_manifest(path, contents=True):
             and isinstance(manifest["train_state"], dict) and isinstance(manifest["files"], dict)
             and isinstance(manifest.get("recipe", ""), str) and _is_sha256(manifest.get("derived_from", "0" * 64))):
         raise ValueError(f"{MANIFEST} is not a manifest this code wrote")
-    problem = _layout_problem(manifest["layout"])
+    problem = _layout_problem(manifest["layout"]) or FORMATS[manifest["layout"]["family"]].older_format_problem(
+        manifest["format_version"], manifest)
     if problem:
         raise ValueError(f"{MANIFEST}: {problem}")
     for rel, want in manifest["files"].items():

@@ -31,12 +31,13 @@ import time
 
 import numpy as np
 import torch
-from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 
 from ..collectives import checked_by_every_rank, first_rank_problems, main_process_result
+from ..engines import Engine
 from ..exits import fail
 from .files import entry_identity, file_table, listing
+from .formats import of
 from .held import HeldCheckpoint
 from .layout import DERIVED, DERIVING
 from .manifest import read_manifest, write_manifest
@@ -55,9 +56,9 @@ class ConversionReplaced(RuntimeError):
 
 def needs_universal(manifest, now):
     """Whether the checkpoint's ZeRO state must go through the universal checkpoint: DeepSpeed on another world
-    size (WORLD_SIZE_CHANGE)."""
+    size (WORLD_SIZE_CHANGE), as the engine that wrote it says."""
     saved = manifest["layout"]
-    return saved["family"] == "deepspeed" and saved["world_size"] != now["world_size"]
+    return of(saved).needs_universal(saved, now)
 
 
 def universal_part(accelerator, held, manifest):
@@ -301,18 +302,19 @@ def rng_for_new_rank(accelerator, path, manifest):
 
 # FSDP's sharded checkpoint keeps one copy of a buffer, but BatchNorm statistics differ per rank: keep each.
 def save_rank_buffers(accelerator, model, root):
-    """FSDP: this rank's buffers into root/rank-R.buffers.safetensors."""
-    if accelerator.distributed_type == DistributedType.FSDP:
+    """FSDP (an engine that keeps_rank_buffers): this rank's buffers into root/rank-R.buffers.safetensors."""
+    if Engine.of(accelerator).keeps_rank_buffers:
         buffers = {name: b.detach().cpu().contiguous() for name, b in model.named_buffers()}
         save_file(buffers, os.path.join(root, f"rank-{accelerator.process_index}.buffers.safetensors"))
 
 
 def load_rank_buffers(accelerator, model, root):
-    """FSDP: this rank's buffers; a rank the checkpoint does not have (written by fewer processes) takes rank 0's."""
+    """FSDP (an engine that keeps_rank_buffers): this rank's buffers; a rank the checkpoint does not have (written by
+    fewer processes) takes rank 0's."""
     path = os.path.join(root, f"rank-{accelerator.process_index}.buffers.safetensors")
     if not os.path.exists(path):
         path = os.path.join(root, "rank-0.buffers.safetensors")
-    if accelerator.distributed_type == DistributedType.FSDP and os.path.exists(path):
+    if Engine.of(accelerator).keeps_rank_buffers and os.path.exists(path):
         saved = load_file(path)
         for name, b in ((n, b) for n, b in model.named_buffers() if n in saved):
             b.copy_(saved[name].to(b.device))

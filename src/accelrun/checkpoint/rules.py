@@ -1,8 +1,9 @@
 """What a resumed run must share with the run that wrote the checkpoint, and what it may change.
 
 Owns the rules, written as data:
-  * the layout: which engine wrote the files (full state, DeepSpeed ZeRO stage N, FSDP), over how many
-    processes and in how many accumulation steps, and with which sequence-parallel size (recorded when above 1).
+  * the layout (the engine's: engines.Engine.layout): which engine wrote the files (full state, DeepSpeed ZeRO stage
+    N, FSDP), over how many processes and in how many accumulation steps, and with which sequence-parallel size
+    (recorded when above 1).
     The engine, stage and sequence-parallel size must match; the world size may
     change (WORLD_SIZE_CHANGE says how, per kind of checkpoint), and --grad-accum with it (RESHAPE), with
     PER_RANK saying what becomes of each rank's own state;
@@ -18,9 +19,8 @@ PER_RANK row names.
 
 import json
 
-from accelerate.utils import DistributedType
-
-from ..engines import engine_facts
+from ..engines import Engine
+from .formats import of
 from .layout import LAYOUT_MAX
 from .untrusted import shown, whole
 
@@ -40,16 +40,9 @@ MAY_CHANGE = {
 
 
 # Another number of processes, per kind of checkpoint (checkpoint_kind()): how the checkpoint's state reaches the new
-# ranks. Every kind can (ZeRO-3 with accelrun's repair of DeepSpeed's stage-3 universal load: resharding.py).
-UNIVERSAL = ("DeepSpeed's universal checkpoint (ds_to_universal, converted once into the checkpoint's universal/ "
-             "part, then load_universal) repartitions the {} onto the new ranks")
-WORLD_SIZE_CHANGE = {
-    "full": "every rank loads the whole model and optimizer state (1 process and DDP save it whole)",
-    "fsdp": "torch.distributed.checkpoint reshards the model and optimizer by parameter name onto the new ranks",
-    "deepspeed ZeRO-1": UNIVERSAL.format("optimizer state"),
-    "deepspeed ZeRO-2": UNIVERSAL.format("optimizer state"),
-    "deepspeed ZeRO-3": UNIVERSAL.format("parameters and optimizer state"),
-}
+# ranks, as each engine says (its world_size_change). Every kind can (ZeRO-3 with accelrun's repair of DeepSpeed's
+# stage-3 universal load: resharding.py).
+WORLD_SIZE_CHANGE = {kind: how for engine in Engine.kinds for kind, how in engine.world_size_change.items()}
 
 # Flags that may change on a resume because they only split the global batch (--batch-size, which must
 # match): each optimizer step still sees the same samples, and the data position counts optimizer steps.
@@ -81,20 +74,8 @@ PER_RANK = {
 
 
 def checkpoint_kind(saved):
-    """The WORLD_SIZE_CHANGE key of a layout: its family, with the ZeRO stage for DeepSpeed."""
-    return f"deepspeed ZeRO-{saved['zero_stage']}" if saved["family"] == "deepspeed" else saved["family"]
-
-
-def layout(accelerator):
-    """What decides whether a checkpoint's files can be read back by this run, and how it split the batch (the
-    accelerator's accumulation steps, after prepare(): the flag's, which a DeepSpeed config may not change)."""
-    # 1 process and DDP store the same full state; DeepSpeed and FSDP store their own formats.
-    family = {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(
-        accelerator.distributed_type, "full")
-    facts = engine_facts(accelerator)
-    sequence_parallel = {"sequence_parallel": facts["sequence_parallel"]} if facts["sequence_parallel"] > 1 else {}
-    return {"family": family, "zero_stage": facts["deepspeed_stage"], "world_size": accelerator.num_processes,
-            "grad_accum": accelerator.gradient_accumulation_steps, **sequence_parallel}
+    """The WORLD_SIZE_CHANGE key of a layout: its family, with the ZeRO stage for DeepSpeed (the engine's kind)."""
+    return of(saved).kind(saved)
 
 
 def must_match_settings(args, may_change, data_facts):
@@ -170,12 +151,13 @@ def reshaped(manifest, now):
     old_world, old_accum = saved["world_size"], saved_grad_accum(manifest, now)
     if old_world != now["world_size"]:
         notes.append(f"world size {old_world} -> {now['world_size']}: {WORLD_SIZE_CHANGE[checkpoint_kind(saved)]}")
+        buffers = of(saved).keeps_rank_buffers  # FSDP's per-rank buffers follow the RNG state's rule
         if now["world_size"] > old_world:
             notes.append(f"ranks {list(range(old_world, now['world_size']))} are new: they take rank 0's RNG "
-                         f"state" + (" and buffers" if saved["family"] == "fsdp" else ""))
+                         f"state" + (" and buffers" if buffers else ""))
         else:
             notes.append(f"ranks {list(range(now['world_size'], old_world))} no longer exist: their RNG state"
-                         + (" and buffers are" if saved["family"] == "fsdp" else " is") + " dropped")
+                         + (" and buffers are" if buffers else " is") + " dropped")
     if old_accum != now["grad_accum"]:
         notes.append(f"--grad-accum {old_accum} -> {now['grad_accum']}: the same global batch in "
                      f"{now['grad_accum']} micro-batch(es) per process")

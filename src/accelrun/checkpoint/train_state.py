@@ -59,14 +59,13 @@ def _parsed(data):
 
 def version_problem(manifest):
     """None, or the line refusing a manifest of a format version this code does not read (one before READ_SINCE,
-    one after FORMAT_VERSION, none at all: written before it was recorded), naming the one it has; or a checkpoint
-    of a readable older version whose content changed since (_changed_since). A manifest that is no JSON object is
-    read_manifest's to refuse."""
+    one after FORMAT_VERSION, none at all: written before it was recorded), naming the one it has. A manifest that is
+    no JSON object is read_manifest's to refuse."""
     if not isinstance(manifest, dict):
         return None
     version = manifest.get("format_version")
     if whole(version, READ_SINCE, FORMAT_VERSION):
-        return _changed_since(manifest, version)
+        return None  # an older version's own changes are its engine's to judge (manifest.read_manifest)
     if "format_version" not in manifest:
         wrote = f"records no format_version: accelrun before format {READ_SINCE} wrote it"
     else:
@@ -80,19 +79,6 @@ def readable_versions():
     if READ_SINCE == FORMAT_VERSION:
         return f"{FORMAT_VERSION}"
     return f"{READ_SINCE} {'and' if FORMAT_VERSION == READ_SINCE + 1 else 'to'} {FORMAT_VERSION}"
-
-
-def _changed_since(manifest, version):
-    """None, or why a checkpoint of readable older format `version` is still not one this code loads. Version 1:
-    FSDP2's LoRA checkpoints went from the whole model to the adapters only while it was current (format 2 is that
-    change), so an FSDP2 LoRA checkpoint of version 1 cannot be told apart and is refused; every other one loads."""
-    layout, settings = manifest.get("layout"), manifest.get("must_match")
-    if (version == 1 and isinstance(layout, dict) and layout.get("family") == "fsdp" and isinstance(settings, dict)
-            and settings.get("lora_r")):
-        return f"{MANIFEST} records format_version 1 for an FSDP2 LoRA checkpoint, which may hold the whole model " \
-               f"where format 2 holds the adapters only: this code does not load it (resume it with the code that " \
-               f"wrote it, or start afresh with another --checkpoint-dir)"
-    return None
 
 
 # ---- the training state Run keeps in it ----------------------------------------------------------------------

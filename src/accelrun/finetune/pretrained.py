@@ -89,9 +89,9 @@ def load_model(args, run, mixed_precision, attention):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # no generation cache while training
     if args.lora_r:
-        deepspeed = run.engine_facts["distributed_type"] == "DEEPSPEED"
+        no_autocast = not run.engine.autocasts
         try:  # DeepSpeed runs no autocast: its adapters compute in the dtype they are in
-            model = with_lora(model, args, adapter_dtype=dtype if deepspeed and dtype != torch.float32 else None)
+            model = with_lora(model, args, adapter_dtype=dtype if no_autocast and dtype != torch.float32 else None)
         except LoraProblem as exc:
             run.fail(str(exc))
     return model, dtype
@@ -100,7 +100,7 @@ def load_model(args, run, mixed_precision, attention):
 def zero3_lora_note(args, run, accelerator, n_params, dtype):
     """Under ZeRO-3 with LoRA on GPUs that can each hold the frozen base: one line on the configs that do not
     gather it layer by layer in every forward and backward (docs/configs.md)."""
-    if not (args.lora_r and run.engine_facts["deepspeed_stage"] == 3 and accelerator.device.type == "cuda"):
+    if not (args.lora_r and run.engine.partitions_parameters and accelerator.device.type == "cuda"):
         return
     base_gb = n_params * (NF4_BYTES if args.load_in_4bit else dtype.itemsize) / 1e9  # 4-bit: the linear layers' rate
     index = accelerator.device.index if accelerator.device.index is not None else torch.cuda.current_device()

@@ -134,7 +134,8 @@ def checked_base(args, model, accelerator, run):
     of the 4-bit base (base_note), the run refused in one line where FSDP2 left it whole."""
     if not args.load_in_4bit:
         return ""
-    problem, note = base_note(accelerator.unwrap_model(model), accelerator.distributed_type.value == "FSDP",
+    from accelrun.engines import Engine
+    problem, note = base_note(accelerator.unwrap_model(model), Engine.of(accelerator).shards_4bit_base,
                               accelerator.num_processes)
     if problem:
         run.fail(problem)

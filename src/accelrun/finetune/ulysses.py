@@ -7,8 +7,9 @@ heads and back) and builds the sequence-parallel groups, S consecutive ranks eac
 ZeRO still shards over every process.
 
 What this module owns, on top:
-  * SequenceParallel.of(accelerator): the size S (1: off), this rank's place in its group, the data-parallel size
-    D = processes / S;
+  * SequenceParallel.of(accelerator): the size S (1: off) and the data-parallel size D = processes / S, as the run's
+    engine says (engines.Engine.sequence_parallel and readers: one source of truth), and this rank's place in its
+    group;
   * the refusals: before data or model loads (problem) a --block-size the S processes cannot split evenly, a model
     whose attention heads they cannot split, a batch that does not divide over D data-parallel ranks x --grad-accum;
     once the data is read, packed examples (packing_problem: SDPA under Ulysses attends over the whole block, so
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from accelrun.engines import Engine
 from accelrun.finetune.chunked_loss import IGNORE, LOSS_COUNT, next_token_targets
 
 
@@ -45,14 +47,13 @@ class SequenceParallel:
 
     @classmethod
     def of(cls, accelerator):
-        """What the launch set up: accelerate's parallelism_config with DeepSpeed's sequence parallelism."""
-        config = getattr(accelerator, "parallelism_config", None)
-        size = config.sp_size if config is not None and config.sp_backend == "deepspeed" else 1
+        """What the launch set up, as the run's engine says (engines.Engine: its sequence-parallel size and its
+        data-parallel readers, processes / the size)."""
+        engine, rank = Engine.of(accelerator), accelerator.process_index
+        size = engine.sequence_parallel
         if size <= 1:
-            return cls(data_parallel=accelerator.num_processes, data_rank=accelerator.process_index)
-        handler = config.sp_handler
-        return cls(size, accelerator.process_index % size, accelerator.num_processes // size,
-                   accelerator.process_index // size, getattr(handler, "sp_attn_implementation", None) or "sdpa")
+            return cls(data_parallel=engine.readers, data_rank=rank)
+        return cls(size, rank % size, engine.readers, rank // size, engine.sequence_parallel_attention)
 
     @property
     def on(self):
@@ -94,8 +95,7 @@ class SequenceParallel:
         are told the micro-batch a rank really runs (micro // D sequences, its slice of each), which accelerate
         would otherwise read from the loaders."""
         from accelerate.data_loader import prepare_data_loader
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = micro // self.data_parallel
+        Engine.of(accelerator).tell_micro_batch(micro // self.data_parallel)
         train = prepare_data_loader(train_loader, accelerator.device, num_processes=self.data_parallel,
                                     process_index=self.data_rank, split_batches=True, put_on_device=True,
                                     rng_types=accelerator.rng_types.copy(), use_seedable_sampler=True,
