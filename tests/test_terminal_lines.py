@@ -1,5 +1,5 @@
 """What a run prints on a terminal, in-process and quick (issue 53, item 9): every line printed while the progress bar
-is up goes above it (Run._above_the_bar, as the progress lines' tqdm.write), and DeepSpeed's universal-checkpoint
+is up goes above it (run_parts.Lines.above, as the progress lines' tqdm.write), and DeepSpeed's universal-checkpoint
 converter prints nothing into the run's log unless it fails (resharding.converter_quiet). The launched resume that
 converts for real, with its output, is test_checkpoint_resume.py's ZeRO world-size test."""
 
@@ -8,14 +8,16 @@ import io
 import logging
 import os
 import sys
-import time
 import types
 
 import pytest
 from tqdm import tqdm
 
+from accelrun.cadence import Cadence
 from accelrun.checkpoint.resharding import converter_quiet
 from accelrun.run import Run
+from accelrun.run_parts import Clock, Evaluation, Lines
+from accelrun.starting import Settled
 
 
 def as_a_terminal_shows(written):
@@ -33,18 +35,21 @@ class Saves:
 
 
 def run_with_a_bar(terminal):
-    """A Run in mid-epoch at step 5 of 10 with its progress bar drawn on `terminal`: only what _save and _evaluate
-    read is set."""
+    """A Run in mid-epoch at step 5 of 10 with its progress bar drawn on `terminal`: only the parts _save and its
+    Evaluation use are set."""
     run = Run.__new__(Run)
-    run.bar = tqdm(total=10, file=terminal, mininterval=0, ncols=80)
-    run.bar.update(5)
-    run.state = {"step": 5, "epoch": 0, "train_time": 0.0, "last_eval": None}
-    run.train_start, run.trained_at, run.stopping = time.perf_counter(), None, False
-    run.output_dir, run.run_id, run.total_steps = "runs/x", "r" * 32, 10
+    run.lines = Lines(types.SimpleNamespace(is_main_process=True))
+    run.lines.bar = tqdm(total=10, file=terminal, mininterval=0, ncols=80)
+    run.lines.bar.update(5)
+    run.state = {"step": 5, "step_in_epoch": 5, "epoch": 0, "train_time": 0.0, "last_eval": None}
+    run.clock, run.stopping = Clock(), False
+    run.clock.start_training(0.0)
+    run.settled = Settled(None, None, "runs/x", "runs/x", "r" * 32, None)
+    run.cadence = Cadence(10, 10, evaluates=True)
     run.timer = types.SimpleNamespace(window_state=lambda: None, restart=lambda: None)
     run.checkpointer = Saves()
-    run.evals = types.SimpleNamespace(write=lambda record: None)
-    run.print = print
+    run.evaluation = Evaluation(None, run.cadence, types.SimpleNamespace(write=lambda record: None), run.state,
+                                run.lines, run.clock, run.timer)
     return run
 
 
@@ -59,23 +64,23 @@ def test_lines_printed_mid_epoch_go_above_the_progress_bar():
         print("sample: the quick fox", flush=True)
         return {"val_loss": 1.5}
 
-    run.evaluate_fn = evaluate
+    run.evaluation.evaluate = evaluate
     with contextlib.redirect_stdout(terminal), contextlib.redirect_stderr(terminal):
         run._save()
-        run._evaluate("step 5")
+        run.evaluation.run("step 5")
     shown = as_a_terminal_shows(terminal.getvalue())
     for line in ("checkpoint saved: ckpt/step-00000005 (written in 0.1 s, checksums by 1 rank(s) in 0.0 s)",
                  "sample: the quick fox", "step 5 | val loss 1.5000"):
         assert line in shown, shown
     assert "5/10" in shown[-1], shown  # the bar again, below the lines
-    run.bar.close()
+    run.lines.bar.close()
 
 
 def test_lines_go_as_they_are_without_a_bar(capsys):
     """Off a terminal (a log file, Slurm) the bar is off, and the lines are printed as they are."""
     run = run_with_a_bar(io.StringIO())
-    run.bar.close()
-    run.bar = tqdm(total=10, disable=True)
+    run.lines.bar.close()
+    run.lines.bar = tqdm(total=10, disable=True)
     run._save()
     assert capsys.readouterr().out == ("checkpoint saved: ckpt/step-00000005 (written in 0.1 s, checksums by 1 "
                                        "rank(s) in 0.0 s)\n")

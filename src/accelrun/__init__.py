@@ -3,6 +3,7 @@
 docs/writing-a-recipe.md is the contract a recipe relies on. One module per concern:
 
     run.py                      Run: the object a recipe's loop calls; the façade over the modules below
+    run_parts.py                the parts Run holds: the batch, throughput, terminal, clock and evaluation
     cadence.py                  when to evaluate and when to save: a small object of pure functions
     starting.py                 what a run settles before it loads anything: lock, resume, results, a finished run
     epochs.py                   the epoch loop a resumed run re-enters mid-epoch, exactly

@@ -293,26 +293,26 @@ def evaluation_line(when, result):
     return f"{when} | " + " | ".join(as_figure(k, v) for k, v in result.items())
 
 
-def run_summary(run, state, rates, timer, weights, measured, recipe_fields):
-    """(summary.json's fields in their order, the fields the SUMMARY line shows) of a finished run: run (Run's facts:
+def run_summary(facts, state, rates, timer, weights, measured, recipe_fields):
+    """(summary.json's fields in their order, the fields the SUMMARY line shows) of a finished run: facts (the run's:
     who ran, on what, from which checkpoint), its training state, rates ({unit}_per_s, and mfu where the recipe
     counts FLOPs), timer (timing.StepTimer), the exported weights, measured (memory, the steady-state timing, the
     checkpoints' and the end's times), recipe_fields (what the recipe adds: linear_regression's m and n...)."""
     evaluation = {k: v for k, v in (state["last_eval"] or {}).items() if k != "step"}
     summary = {
-        "recipe": run["recipe"], "output_dir": run["output_dir"], **run["engine"], "optimizer": run["optimizer"],
-        "optimizer_implementation": run["optimizer_implementation"], "steps": state["step"],
-        "epochs": state["epochs_run"], "resumed_from_step": run["resumed_from_step"],
-        "resumed_from_world_size": run["resumed_from_world_size"], "resume_changes": run["resume_changes"],
+        "recipe": facts["recipe"], "output_dir": facts["output_dir"], **facts["engine"],
+        "optimizer": facts["optimizer"], "optimizer_implementation": facts["optimizer_implementation"],
+        "steps": state["step"], "epochs": state["epochs_run"], "resumed_from_step": facts["resumed_from_step"],
+        "resumed_from_world_size": facts["resumed_from_world_size"], "resume_changes": facts["resume_changes"],
         "first_loss": state["first_loss"], "final_loss": state["final_loss"], **evaluation, **rates,
         "data_time_s": timer.total_data, "compute_time_s": timer.total_compute,
         "data_fraction": timer.total_data / max(timer.total_data + timer.total_compute, 1e-9),
         "exported_dtype": "float32",
         "param_elements": sum(v.numel() for k, v in weights.items() if v.is_floating_point() and "running" not in k),
-        "model_init": run["model_init"], **run["peaks_at_start"],
+        "model_init": facts["model_init"], **facts["peaks_at_start"],
         **{k: v for k, v in measured.items() if k != "end_of_run"}, **recipe_fields,
         "checkpoints": measured["checkpoints"], "end_of_run": measured["end_of_run"],
-        "compiled_graphs": compiled_graphs(), "wall_time_s": run["wall_time_s"], "args": run["args"]}
+        "compiled_graphs": compiled_graphs(), "wall_time_s": facts["wall_time_s"], "args": facts["args"]}
     # The line shows the recipe's own figures among its fields (linear_regression's m and n), not its texts.
     numbers = [k for k, v in recipe_fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return summary, [*evaluation, *rates, *numbers]

@@ -29,11 +29,9 @@ same metrics, line for line (timings aside).
 import contextlib
 import math
 import os
-import sys
 import time
 
 import torch
-from tqdm import tqdm
 
 from . import results
 from .cadence import Cadence, Progress
@@ -41,11 +39,11 @@ from .checkpoint import NoCheckpoints
 from .checkpoint.rules import must_match_settings
 from .engines import Engine, name_the_cpu_for_deepspeed, quiet_deprecated_collectives
 from .epochs import resumable_epochs
-from .exits import fail, main_print, teardown
-from .finishing import finish_run
+from .exits import fail, teardown
+from .finishing import Report, finish_run
 from .flags import RUN_FLAGS
 from .launcher import die_with_launcher
-from .optimizers import repoint_scheduler
+from .optimizers import implementation, optimizer_name, repoint_scheduler
 from .refusals import (
     check_batch,
     check_deepspeed_flags,
@@ -57,20 +55,24 @@ from .refusals import (
 from .reporting import (
     MetricsLog,
     StepProfiler,
-    evaluation_line,
     first_line,
     peaks_at_start,
     progress_line,
     quiet_progress_bars,
     start_tracking,
 )
+from .run_parts import Batch, Clock, Evaluation, Lines, Throughput
+from .run_parts import eager_if_compiled as eager_if_compiled  # where it was: a recipe or test may import it from here
 from .sharded_model import BUILT_WHOLE
-from .starting import already_complete, keeps_checkpoints, place_results, settle
+from .starting import already_complete, keeps_checkpoints, place_again, settle
 from .stopping import GracefulStop, how_to_stop, stopped
 from .timing import StepTimer
 
 
 class Run:
+    """The façade: each attribute is a part that owns its state (run_parts.py, starting.Settled, cadence.Cadence, the
+    checkpointer, the logs), handed explicitly to the module that needs it; no other module reads or sets Run's."""
+
     def __init__(self, name, args, unit="samples", may_change=None, sequence_parallel=False):
         """Call first in main(): from here on a stop signal is remembered instead of killing the process.
         may_change: {flag: why} for the recipe's flags that a resumed run may change (checkpoint/rules.py).
@@ -79,14 +81,17 @@ class Run:
         missing = [flag for flag in (*RUN_FLAGS, *(may_change or {})) if not hasattr(args, flag)]
         if missing:
             raise TypeError(f"Run({name!r}): the parsed flags lack {missing}; call add_run_args(parser, ...)")
-        self.name, self.args, self.unit, self.may_change = name, args, unit, dict(may_change or {})
-        self.t_start, self.sequence_parallel = time.perf_counter(), sequence_parallel
+        self.name, self.args, self.may_change = name, args, dict(may_change or {})
+        self.clock, self.sequence_parallel = Clock(), sequence_parallel
+        self.throughput = Throughput(unit)  # start() adds what it counts
         die_with_launcher()
         check_gpus_before_start(sequence_parallel)
         name_the_cpu_for_deepspeed()
         quiet_progress_bars()
         self.stopper, self.stopping = GracefulStop(args.stop_signals, args.checkpoint_dir), False
-        self.model_init = BUILT_WHOLE
+        # What summary.json says of the run itself, gathered as the run learns it (how the model was built, then
+        # start()'s resume and memory peaks; finish() adds the rest).
+        self.facts = {"model_init": BUILT_WHOLE}
 
     # ---- before prepare() -------------------------------------------------------------------------
     def setup(self, accelerator, *, batch_size, max_grad_norm=0.0, eval_batch_size=None, refuse_offload=None,
@@ -97,22 +102,33 @@ class Run:
         default_output_dir: where the results go without --output-dir (runs/<name>/<how it runs> if None). The
         accumulation steps are the Accelerator's, read here, before prepare(): a DeepSpeed config that says
         otherwise is refused in start()."""
-        self.accelerator, self.print = accelerator, main_print(accelerator)
+        self.accelerator, self.lines = accelerator, Lines(accelerator)
         self.engine = Engine.of(accelerator)  # the way this run runs, asked once (engines/)
-        self.batch_size, self.max_grad_norm = batch_size, max_grad_norm
-        self.grad_accum = accelerator.gradient_accumulation_steps
+        self.batch = Batch(batch_size, accelerator.gradient_accumulation_steps, max_grad_norm)
+        grad_accum = self.batch.grad_accum
         check_launch(accelerator)
         check_sequence_parallel(accelerator, self.sequence_parallel)
         quiet_deprecated_collectives()
         if refuse_offload:
             refuse_optimizer_offload(accelerator, *refuse_offload)
-        check_batch(accelerator, batch_size, self.grad_accum, eval_batch_size, self.args)
+        check_batch(accelerator, batch_size, grad_accum, eval_batch_size, self.args)
         self.engine.clip_like(max_grad_norm)
-        check_deepspeed_flags(accelerator, self.grad_accum, max_grad_norm, prepared=False)
+        check_deepspeed_flags(accelerator, grad_accum, max_grad_norm, prepared=False)
         self.engine.reduce_in_fp32()
         self.engine_facts = self.engine.facts()
-        self.default_output_dir = default_output_dir or os.path.join("runs", self.name, self.engine.label())
-        settle(self)  # the lock, the checkpoint to resume, where results go, a finished run: before any loading
+        default_output_dir = default_output_dir or os.path.join("runs", self.name, self.engine.label())
+        # The lock, the checkpoint to resume, where results go, a finished run: before any loading (starting.py).
+        self.settled = settle(accelerator, self.args, self.name, default_output_dir, self.may_change, self.print)
+
+    @property
+    def output_dir(self):
+        """Where the results go: settled by setup(), final from start() on (a continued run moves it to its
+        checkpoint's)."""
+        return self.settled.output_dir
+
+    def print(self, *message, **kwargs):
+        """print() on the main process only."""
+        self.lines.print(*message, **kwargs)
 
     @contextlib.contextmanager
     def sharded_init(self, from_pretrained=False, quantized=False):
@@ -120,7 +136,7 @@ class Run:
         (sharded_model.py). from_pretrained: a Hugging Face from_pretrained() inside; quantized: loading it quantised
         (every process loads it whole; prepare() shards it)."""
         with self.engine.building(from_pretrained, quantized) as how:
-            self.model_init = how
+            self.facts["model_init"] = how
             yield
 
     def check_whole_model_fits(self, n_params):
@@ -140,81 +156,86 @@ class Run:
         tokens), for the throughput. data_facts: what the flags do not say about the data (its source, its
         size), which a resumed run must share. evaluate() returns a dict of metrics; it runs every eval_every
         steps and at the last, or (eval_every 0) at each epoch's end, and always on every rank."""
-        acc, args = self.accelerator, self.args
+        acc, args, batch = self.accelerator, self.args, self.batch
         self.seed = torch.initial_seed()  # the recipe's set_seed(); a checkpoint's RNG state keeps it too
-        check_deepspeed_flags(acc, self.grad_accum, self.max_grad_norm)
+        check_deepspeed_flags(acc, batch.grad_accum, batch.max_grad_norm)
         repoint_scheduler(optimizer, scheduler)
         self.optimizer = optimizer
         self.engine.cast_buffers(model)
         self.engine_facts.update(self.engine.gradient_sync(model))
-        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
-        # The epochs the loader is restarted for: as many as the steps need (none when an epoch has no step).
-        self.epoch_count = math.ceil(total_steps / steps_per_epoch) if steps_per_epoch else 0
-        # Global samples (or tokens) per forward pass, for the throughput.
-        self.samples_per_micro = self.batch_size // self.grad_accum * units_per_sample
-        self.flops_per_unit, self.peak_tflops = flops_per_unit, peak_tflops
-        self.evaluate_fn = evaluate
+        # Global samples (or tokens) per forward pass, and what a unit costs, for the throughput and MFU.
+        self.throughput = Throughput(self.throughput.unit, batch.size // batch.grad_accum * units_per_sample,
+                                     batch.grad_accum, flops_per_unit, peak_tflops, acc.num_processes)
         self.cadence = Cadence(steps_per_epoch, total_steps, evaluates=evaluate is not None, eval_every=eval_every,
                                saves=bool(args.checkpoint_dir), checkpoint_every=args.checkpoint_every)
-        must_match = must_match_settings(args, self.may_change, data_facts or {})
-        if keeps_checkpoints(args):
-            from .checkpoint import Checkpointer
-            self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model, self.lock,
-                                             self.name)
-        else:
-            self.checkpointer = NoCheckpoints()
-        chosen = self.checkpointer.choose(args.resume)
-        if (chosen and chosen[0]) != (self.peeked and self.peeked[0]):  # the manifests alone pointed elsewhere
-            place_results(self, chosen)
-        if chosen and chosen[1]["train_state"]["step"] >= total_steps:
-            already_complete(self, *chosen)
-        self.print(first_line(acc, self.engine_facts, (self.batch_size, self.grad_accum), optimizer, describe,
-                              total_steps, how_to_stop(args.checkpoint_dir)))
+        chosen = self._resume(model, data_facts, total_steps)
+        self.lines.print(first_line(acc, self.engine_facts, (batch.size, batch.grad_accum), optimizer, describe,
+                                    total_steps, how_to_stop(args.checkpoint_dir)))
         self.state = {"epoch": 0, "step_in_epoch": 0, "step": 0, "epochs_run": 0, "first_loss": None,
                       "final_loss": None, "last_eval": None, "train_time": 0.0, "window": None}
         if chosen:
             self.state.update(self.checkpointer.load(*chosen))  # the log window as this run's ranks carry it
-        if self.results_note:
-            self.print(self.results_note)
-        if acc.is_main_process:
-            results.mark(self.output_dir, self.run_id, self.name)
-        self.resumed_from = self.state["step"] or None
-        self.resumed_layout = chosen[1]["layout"] if chosen else None
-        self.peaks_at_start = peaks_at_start(acc)  # building, preparing and loading the model: collective
-        self.resumed_time = self.state["train_time"]  # training time of the runs before this one
-        self.timer = StepTimer(acc)
-        if self.state["window"]:
-            self.timer.load_window_state(self.state["window"])
-        self.metrics = MetricsLog(acc, self.output_dir, self.state["step"])
-        self.evals = MetricsLog(acc, self.output_dir, self.state["step"], "eval.jsonl") if evaluate else None
-        start_tracking(acc, args)
-        self.profiler = StepProfiler(acc, args.profile, self.output_dir)
-        self.bar = tqdm(total=total_steps, initial=self.state["step"],
-                        disable=not (acc.is_main_process and sys.stdout.isatty()))
-        self.train_start = time.perf_counter()
-        self.trained_at = None  # when the last step ended: what follows it is timed by part (end_of_run)
-        self.end_of_run = {"evaluation_s": 0.0, "checkpoint_s": 0.0}
+        self._open_logs(chosen, evaluate, total_steps)
+        self.clock.start_training(self.state["train_time"])  # the training time of the runs before this one
         self.stopper.begin()  # a stop signal from here on saves a checkpoint; before, it ended the run at once
         self.stopper.on_interrupt(lambda: (self.state["step"], self.checkpointer.newest))
 
-    def _train_time(self):
-        return self.state["train_time"] + time.perf_counter() - self.train_start
+    def _resume(self, model, data_facts, total_steps):
+        """The checkpointer, and the checkpoint every rank verified ((path, manifest), or None): the results placed
+        again when the manifests alone pointed elsewhere, the run ended (exit 0) when it holds the last step."""
+        acc, args, settled = self.accelerator, self.args, self.settled
+        must_match = must_match_settings(args, self.may_change, data_facts or {})
+        if keeps_checkpoints(args):
+            from .checkpoint import Checkpointer
+            self.checkpointer = Checkpointer(acc, args.checkpoint_dir, args.keep_last, must_match, model,
+                                             settled.lock, self.name)
+        else:
+            self.checkpointer = NoCheckpoints()
+        chosen = self.checkpointer.choose(args.resume)
+        if (chosen and chosen[0]) != (settled.peeked and settled.peeked[0]):  # the manifests alone pointed elsewhere
+            self.settled = place_again(acc, args, self.name, settled, chosen)
+        if chosen and chosen[1]["train_state"]["step"] >= total_steps:
+            already_complete(acc, self.print, chosen, self.output_dir, self.checkpointer)
+        return chosen
+
+    def _open_logs(self, chosen, evaluate, total_steps):
+        """After the checkpoint's state is loaded: the results note, run.json, what the summary says of the start,
+        the step timer, metrics.jsonl and eval.jsonl, the trackers, the profiler, the progress bar."""
+        acc, args, step = self.accelerator, self.args, self.state["step"]
+        if self.settled.results_note:
+            self.lines.print(self.settled.results_note)
+        if acc.is_main_process:
+            results.mark(self.output_dir, self.settled.run_id, self.name)
+        layout = chosen[1]["layout"] if chosen else None
+        self.facts.update(resumed_from_step=step or None, resumed_from_world_size=layout and layout["world_size"],
+                          peaks_at_start=peaks_at_start(acc))  # building, preparing and loading: collective
+        self.timer = StepTimer(acc)
+        if self.state["window"]:
+            self.timer.load_window_state(self.state["window"])
+        self.metrics = MetricsLog(acc, self.output_dir, step)
+        evals = MetricsLog(acc, self.output_dir, step, "eval.jsonl") if evaluate else None
+        self.evaluation = Evaluation(evaluate, self.cadence, evals, self.state, self.lines, self.clock, self.timer)
+        start_tracking(acc, args)
+        self.profiler = StepProfiler(acc, args.profile, self.output_dir)
+        self.lines.open_bar(acc, total_steps, step)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def epochs(self, loader):
         """Yield each epoch's micro-batches, from where a resumed run left off. After each epoch's body (its
         last step, the run's last step, or a stop): its evaluation, the stop agreement and its checkpoint."""
-        s = self.state
-        for epoch, done, batches in resumable_epochs(self.accelerator, loader, s, self.epoch_count,
-                                                     self.steps_per_epoch, self.grad_accum, self.seed):
-            if s["step"] >= self.total_steps or self.stopping:
+        s, cadence = self.state, self.cadence
+        # The epochs the loader is restarted for: as many as the steps need (none when an epoch has no step).
+        epoch_count = math.ceil(cadence.total_steps / cadence.steps_per_epoch) if cadence.steps_per_epoch else 0
+        for epoch, done, batches in resumable_epochs(self.accelerator, loader, s, epoch_count,
+                                                     cadence.steps_per_epoch, self.batch.grad_accum, self.seed):
+            if s["step"] >= cadence.total_steps or self.stopping:
                 return
             s["epoch"], s["step_in_epoch"] = epoch, done
             s["epochs_run"] += 0 if done else 1
             yield self._timed(batches)
-            if self._evaluation_due("epoch"):
-                self._evaluate(f"epoch {epoch} done")
-            if s["step_in_epoch"] == self.steps_per_epoch:
+            if self.evaluation.due("epoch", self.stopping):
+                self.evaluation.run(f"epoch {epoch} done")
+            if s["step_in_epoch"] == cadence.steps_per_epoch:
                 s["epoch"], s["step_in_epoch"] = epoch + 1, 0
             if not self.stopping:  # the ranks synchronise here anyway
                 self.stopping = self.stopper.agreed(self.accelerator)
@@ -237,21 +258,21 @@ class Run:
         if not self.accelerator.sync_gradients:  # inside an accumulation: not an optimizer step yet
             self.timer.bookkeeping_done()
             return False
-        s, args = self.state, self.args
+        s, args, total_steps = self.state, self.args, self.cadence.total_steps
         s["step"] += 1
         s["step_in_epoch"] += 1
         step = s["step"]
-        if step >= self.total_steps:
+        if step >= total_steps:
             self._training_done()
-        self.bar.update(1)
+        self.lines.bar.update(1)
         self.profiler.step()
-        logged = step % args.log_every == 0 or step in (1, self.total_steps)
+        logged = step % args.log_every == 0 or step in (1, total_steps)
         if logged:
             record = self._log(step, fields)
         else:
             record = {"step": step, "epoch": s["epoch"], **fields} if fields else None
-        if self._evaluation_due("step"):
-            record = {**(record or {}), **self._evaluate(f"step {step}")}
+        if self.evaluation.due("step", self.stopping):
+            record = {**(record or {}), **self.evaluation.run(f"step {step}")}
         if record is not None:
             self.metrics.write(record)
         # The ranks agree on stopping where they synchronise anyway (a progress line), or every
@@ -261,96 +282,48 @@ class Run:
         if self._checkpoint_due("step"):
             self._save()
         self.timer.bookkeeping_done()
-        return self.stopping or step >= self.total_steps
+        return self.stopping or step >= total_steps
 
-    # ---- the two decisions: when to evaluate, when to save (cadence.py) ----------------------------
-    def _at(self):
-        return Progress(self.state["step"], self.state["step_in_epoch"], self.stopping)
-
-    def _evaluation_due(self, where):
-        last = self.state["last_eval"]
-        return self.cadence.evaluation_due(where, self._at(), last and last["step"])
-
+    # ---- when to save (cadence.py; when to evaluate is the Evaluation's) ----------------------------
     def _checkpoint_due(self, where):
-        return self.cadence.checkpoint_due(where, self._at(), self.checkpointer.last_saved_step)
+        at = Progress(self.state["step"], self.state["step_in_epoch"], self.stopping)
+        return self.cadence.checkpoint_due(where, at, self.checkpointer.last_saved_step)
 
     # ---- what the decisions trigger -----------------------------------------------------------------
     def _log(self, step, fields):
-        s = self.state
-        record = self.timer.record(self.samples_per_micro, step=step, epoch=s["epoch"],
-                                   lr=self.optimizer.param_groups[0]["lr"], train_time_s=self._train_time(),
+        s, throughput = self.state, self.throughput
+        record = self.timer.record(throughput.per_micro, step=step, epoch=s["epoch"],
+                                   lr=self.optimizer.param_groups[0]["lr"], train_time_s=self.clock.train_time(),
                                    **fields)
-        rate = f"{self.unit}_per_s" if self.unit == "tokens" else "samples_per_s"
+        rate = throughput.log_key
         record[rate] = record.pop("samples_per_s")
-        if self.flops_per_unit and self.peak_tflops:
-            record["mfu"] = self.mfu(record[rate])
+        if throughput.counts_mfu():
+            record["mfu"] = throughput.mfu(record[rate])
         s["first_loss"] = record["loss"] if s["first_loss"] is None else s["first_loss"]
         s["final_loss"] = record["loss"]
-        self._say(progress_line(record, fields, self.total_steps, self.unit))
+        self.lines.say(progress_line(record, fields, self.cadence.total_steps, throughput.unit))
         return record
 
-    def _say(self, line):
-        """Main process: a line printed while the progress bar may be on the terminal goes above it (tqdm.write), not
-        onto its end, and the bar is drawn again below it."""
-        if self.bar.disable:
-            self.print(line)
-        else:
-            tqdm.write(line)
-
-    @contextlib.contextmanager
-    def _above_the_bar(self):
-        """While active, what other code prints mid-epoch (the checkpoint's lines, a recipe's evaluate()) goes above
-        the progress bar as _say's lines do: the bar is cleared first, so a line does not start at its end
-        (`...| 50/468 [00:07<01:02, 6.66it/s]checkpoint saved: ...`), and drawn again below them."""
-        if self.bar.disable:
-            yield
-            return
-        self.bar.clear()
-        try:
-            yield
-        finally:
-            self.bar.refresh()
-
     def mfu(self, units_per_s):
-        return self.flops_per_unit * units_per_s / (self.peak_tflops * 1e12 * self.accelerator.num_processes)
+        return self.throughput.mfu(units_per_s)
 
     def _training_done(self):
         """The last step has ended. From here on a compiled model runs eagerly (the final evaluation, the recipe's
         own use of the model after its loop, the export): one graph, the training one, is all a run compiles."""
-        self.trained_at = time.perf_counter()
+        self.clock.training_done()
         if hasattr(torch.compiler, "set_stance"):
             torch.compiler.set_stance("force_eager")
-
-    def _after_training(self, part, started):
-        """Add the time since `started` to an end_of_run part, when the last step has ended."""
-        if self.trained_at is not None:
-            self.end_of_run[part] += time.perf_counter() - started
-
-    def _evaluate(self, when):
-        """Collective: run the recipe's evaluate(), log it to eval.jsonl and print one line. A compiled model is
-        evaluated eagerly: a second graph (no_grad, eval mode, the evaluation's batch shapes) would cost more to
-        compile than the evaluation saves (docs/measuring.md, "The end of a run")."""
-        started = time.perf_counter()
-        with eager_if_compiled(), self._above_the_bar():
-            result = self.evaluate_fn()
-        self._after_training("evaluation_s", started)
-        s = self.state
-        s["last_eval"] = {"step": s["step"], **result}
-        self.evals.write({"step": s["step"], "epoch": s["epoch"], **result, "train_time_s": self._train_time()})
-        self._say(evaluation_line(when, result))
-        self.timer.restart()  # evaluation is not data wait
-        return result
 
     def _save(self):
         started = time.perf_counter()
         s = self.state
         s["window"] = self.timer.window_state()  # collective
         # "stopped": a checkpoint saved for a stop (the stop command, stop.py, reads it).
-        with self._above_the_bar():
-            self.checkpointer.save(s["step"], {**s, "train_time": self._train_time(), "output_dir": self.output_dir,
-                                               "run_id": self.run_id, "stopped": self.stopping,
-                                               "total_steps": self.total_steps})
-        self._after_training("checkpoint_s", started)
+        with self.lines.above():
+            self.checkpointer.save(s["step"], {**s, "train_time": self.clock.train_time(),
+                                               "output_dir": self.output_dir, "run_id": self.settled.run_id,
+                                               "stopped": self.stopping, "total_steps": self.cadence.total_steps})
+        self.clock.after_training("checkpoint_s", started)
 
     # ---- the end ----------------------------------------------------------------------------------
     def finish(self, model, exclude=(), export=None, **summary):
@@ -359,21 +332,23 @@ class Run:
         its path), summary.json with the SUMMARY line, and where every result went (finishing.py). Returns the exit
         code (a run of several processes ends in it with that code: exits.teardown)."""
         acc, args = self.accelerator, self.args
-        train_time, finishing = self._train_time(), time.perf_counter()
+        self.clock.finish_begins()
         self.profiler.stop()
-        self.bar.close()
+        self.lines.bar.close()
         if self.stopping:
             return teardown(acc, stopped(acc, self.stopper, self.state["step"], args.checkpoint_dir))
         self.stopper.ignore_from_now()
-        if self.trained_at is None:  # no step left to train (--epochs 0): the end starts here
+        if self.clock.trained_at is None:  # no step left to train (--epochs 0): the end starts here
             self._training_done()
-        finish_run(self, model, exclude, export, summary, (train_time, finishing))
+        finish_run(acc, model, (exclude, export), self.evaluation, self.clock, self._report(summary))
         self.checkpointer.release()
         return teardown(acc, 0)
 
-
-def eager_if_compiled():
-    """A context in which a torch.compile'd model runs its original eager code (torch >= 2.6; a no-op before)."""
-    if hasattr(torch.compiler, "set_stance"):
-        return torch.compiler.set_stance("force_eager")
-    return contextlib.nullcontext()
+    def _report(self, recipe_fields):
+        """What the end writes the results from (finishing.Report): the run's facts for the summary among them."""
+        optimizer = self.optimizer
+        facts = {**self.facts, "recipe": self.name, "output_dir": self.output_dir, "engine": self.engine_facts,
+                 "optimizer": optimizer_name(optimizer), "optimizer_implementation": implementation(optimizer),
+                 "resume_changes": self.checkpointer.reshaped, "args": vars(self.args)}
+        return Report(self.output_dir, self.name, self.args.report_to, facts, self.state, self.metrics, self.timer,
+                      self.throughput, self.checkpointer.times, self.print, recipe_fields)
