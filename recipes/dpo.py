@@ -200,12 +200,13 @@ def main(argv=None):
     micro = args.batch_size // args.grad_accum
     train_loader = DataLoader(data.train, batch_size=micro, shuffle=True, drop_last=True, collate_fn=collate)
     val_loader = DataLoader(data.validation, batch_size=micro, collate_fn=collate)
+    every_pair = DataLoader(data.train, batch_size=micro, collate_fn=collate)  # a precomputed reference: none dropped
     if len(train_loader) // args.grad_accum == 0:
         run.fail(f"{len(data.train)} training pairs do not fill one global batch of {args.batch_size}")
     optimizer = adamw(trainable, args)
     scheduler = warmup_cosine(optimizer, args)
-    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(  # accelerate
-        model, optimizer, train_loader, val_loader, scheduler)
+    model, optimizer, train_loader, val_loader, scheduler, every_pair = accelerator.prepare(  # accelerate
+        model, optimizer, train_loader, val_loader, scheduler, every_pair)
     four_bit = checked_base(args, model, accelerator, run)
     reference = None  # set after run.start: a resumed full fine-tune computes it from a copy of --model
 
@@ -220,7 +221,7 @@ def main(argv=None):
                        f"cut at --block-size {args.block_size}",
               data_facts={"source": data.source, "train_pairs": data.facts["train_pairs"],
                           "data_sha256": data.facts["data_sha256"], **base})
-    reference = reference_of(args, run, model, accelerator, (train_loader, val_loader), data.cuts["pairs"], head,
+    reference = reference_of(args, run, model, accelerator, (every_pair, val_loader), data.cuts["pairs"], head,
                              attention)
     rewards = StepRewards(accelerator)  # each optimizer step's rewards, over its micro-batches and the ranks
     model.train()

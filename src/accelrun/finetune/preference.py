@@ -242,15 +242,14 @@ def evaluate_pairs(model, loader, accelerator, reference, beta, head):
 
 
 def write_toy_pairs(path, n=400, seed=0):
-    """A learnable preference set for the CPU commands and the tests: the tiny model's arithmetic questions
-    (accelrun.data.tiny_hf.corpus), chosen the right answer, rejected a wrong one."""
+    """A learnable preference set for the CPU commands and the tests: whether a number is even, chosen the right
+    answer and rejected the wrong one ('Question: is 37 even?' -> ' No.' over ' Yes.')."""
     import random
-
-    from accelrun.data.tiny_hf import corpus
     rng = random.Random(seed)
     with open(path, "w") as f:
-        for prompt, response in corpus(n, seed=seed):
-            value = int(response.removeprefix(" It is ").removesuffix("."))
-            wrong = rng.choice([v for v in range(82) if v != value])
-            f.write(json.dumps({"prompt": prompt, "chosen": response, "rejected": f" It is {wrong}."}) + "\n")
+        for _ in range(n):
+            number = rng.randrange(1000)
+            right, wrong = (" Yes.", " No.") if number % 2 == 0 else (" No.", " Yes.")
+            f.write(json.dumps({"prompt": f"Question: is {number} even?\nAnswer:", "chosen": right,
+                                "rejected": wrong}) + "\n")
     return path
