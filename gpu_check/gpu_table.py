@@ -96,10 +96,6 @@ PARTS = [
                             "--recipe-args", f"{FINETUNE} {LORA} --load-in-4bit --packing"),
          "LoRA r 16 on the 4-bit (NF4) base (bitsandbytes, from .gpu/w): peak memory and tokens/s against "
          "finetune-lora's eager run", 45, first=True),
-    Part("dpo-lora-1b", ("--recipe", "dpo", "--configs", EAGER, "--steps", "20",
-                         "--recipe-args", "--model {llama} --data-files {prefs} --block-size 1024 --lora-r 16"),
-         "1B Llama shape, LoRA r 16 DPO (recipes/dpo.py, the reference by disabled adapters): tokens/s, peak memory",
-         45, first=True, missing="bench/benchmark.py has no --recipe dpo (and no preference data written) yet"),
     Part("gpt", ("--recipe", "gpt", "--preset", "124M", "--configs", *FULL, "--steps", "60"),
          "GPT-124M: throughput, MFU, recipe / lean loop (goal compiled), compile speed-up", 70, 70, 12),
     Part("mnist", ("--recipe", "mnist", "--configs", *FULL, "--no-baselines", "--steps", "200", "--batch-size", "512"),
