@@ -175,6 +175,17 @@ def reference_of(args, run, model, accelerator, loaders, size, head, attention):
     return lambda batch: table[batch["index"]].T.reshape(-1)
 
 
+def pair_losses(model, batch, head, reference, beta):
+    """Each pair's DPO loss and its chosen and rejected rewards: the policy's log-probabilities against the
+    reference's (finetune/preference.py)."""
+    return dpo_losses(sequence_logps(model, batch, head), reference(batch), beta)
+
+
+def step_rewards(rewards, chosen, rejected):
+    """The optimizer step's reward figures for run.step ({} inside an accumulation): collective at its end."""
+    return rewards.add(chosen, rejected)
+
+
 def main(argv=None):
     args = parse_args(argv)
     run = Run("dpo", args, unit="tokens", may_change=AFTER_TRAINING)  # first: a stop may come during start-up
@@ -228,7 +239,7 @@ def main(argv=None):
     for batches in run.epochs(train_loader):  # resumes mid-epoch; checkpoints at each epoch's end
         for batch in batches:
             with accelerator.accumulate(model):  # accelerate
-                losses, chosen, rejected = dpo_losses(sequence_logps(model, batch, head), reference(batch), args.beta)
+                losses, chosen, rejected = pair_losses(model, batch, head, reference, args.beta)
                 loss = losses.mean()  # of the micro-batch; backward averages over micro-batches and ranks
                 accelerator.backward(loss)  # accelerate
                 if accelerator.sync_gradients and args.max_grad_norm > 0:  # accelerate
@@ -236,7 +247,7 @@ def main(argv=None):
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            if run.step(loss, **rewards.add(chosen, rejected)):  # a stop signal, or the last step
+            if run.step(loss, **step_rewards(rewards, chosen, rejected)):  # a stop signal, or the last step
                 break
     return finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base)
 

@@ -234,7 +234,8 @@ def evaluate_pairs(model, loader, accelerator, reference, beta, head):
         for batch in loader:
             loss, c, r = dpo_losses(sequence_logps(model, batch, head), reference(batch), beta)
             loss, c, r = accelerator.gather_for_metrics((loss, c, r))  # accelerate
-            losses.append(loss), chosen.append(c), rejected.append(r)
+            for kept, value in zip((losses, chosen, rejected), (loss, c, r)):
+                kept.append(value)
     model.train()
     loss, c, r = (torch.cat(x).double() for x in (losses, chosen, rejected))
     return {"val_loss": float(loss.mean()), **figures(float(c.sum()), float(r.sum()), float((c > r).sum()),
