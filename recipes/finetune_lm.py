@@ -60,7 +60,6 @@ Result: loss 5.74 to 0.37 (first CPU command), LoRA 3.83 to 1.36 (last), measure
 import argparse
 import functools
 import itertools
-import math
 import os
 import sys
 from datetime import timedelta
@@ -132,16 +131,17 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 
-from accelrun import Run, results
+from accelrun import Run
 from accelrun.engines import run_label
 from accelrun.finetune.chunked_loss import install, token_losses, with_loss_count
 from accelrun.finetune.examples import IGNORE, DataProblem, cut_note, load_examples
-from accelrun.finetune.lora import merge_adapters
+from accelrun.finetune.export import export
 from accelrun.finetune.packing import attention_implementation, block_causal_mask, blocks_note
 from accelrun.finetune.pretrained import load_config_and_tokenizer, load_model, zero3_lora_note
-from accelrun.finetune.qlora import as_plain_model, checked_base, dequantized_base
+from accelrun.finetune.qlora import checked_base, dequantized_base
+from accelrun.finetune.training import adamw, check_block_size, warmup_cosine
 from accelrun.finetune.ulysses import SequenceParallel, host_count, in_loss, loss_targets
-from accelrun.finetune.weights import base_fingerprint, record_base
+from accelrun.finetune.weights import base_fingerprint
 
 
 def default_output_dir(args, accelerator):
@@ -150,15 +150,6 @@ def default_output_dir(args, accelerator):
     lora = f"-{'q' if args.load_in_4bit else ''}lora-r{args.lora_r}" if args.lora_r else ""
     label = run_label(accelerator) + lora
     return os.path.join("runs", "finetune_lm", label + ("" if args.packing else "-padded"))
-
-
-def check_block_size(args, config, run):
-    """--block-size, by default the model's context up to 1024; refused when longer than the context."""
-    context = getattr(config, "max_position_embeddings", None)
-    if args.block_size is None:  # the default fits the model
-        args.block_size = min(1024, context or 1024)
-    if context and args.block_size > context:
-        run.fail(f"--block-size {args.block_size} is longer than {args.model}'s context of {context} tokens; give less")
 
 
 def check_sequence_parallel(sp, args, config, accelerator, run):
@@ -180,27 +171,6 @@ def load_data(args, run, accelerator, tokenizer):
     if problem:
         run.fail(problem)
     return examples
-
-
-def adamw(trainable, args):
-    """AdamW with weight decay on the matrices only, not on biases and norms."""
-    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]  # ZeRO-3: the full shape
-    decay, flat = ([p for p, m in zip(trainable, matrix) if m == want] for want in (True, False))
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": flat, "weight_decay": 0.0}]  # no decay on biases and norms
-    # No empty group (LoRA's adapters are all matrices): DeepSpeed drops it, and the scheduler would then
-    # hold one learning rate too many.
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), fused=True)
-
-
-def warmup_cosine(optimizer, args):
-    """Linear warm-up over --warmup-steps, then cosine decay from --lr to lr/10 at --max-steps."""
-    def schedule(step):
-        if step < args.warmup_steps:
-            return (step + 1) / args.warmup_steps
-        progress = (step - args.warmup_steps) / max(args.max_steps - args.warmup_steps, 1)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def prepare(accelerator, sp, micro, model, optimizer, train_loader, val_loader, scheduler):
@@ -289,37 +259,6 @@ def greedy_answer(model, accelerator, tokenizer, example, fmt, args):
     plain.train()
     return {"sample_prompt": tokenizer.decode(prompt), "sample_prompt_ids": prompt.tolist(),
             "sample": tokenizer.decode(new), "sample_token_ids": new, "sample_logprobs": logprobs}
-
-
-def export(weights, model, accelerator, tokenizer, args, output_dir, base_weights=None, dequantized=None):
-    """Main process: directories from_pretrained (and PEFT) load, with the tokenizer; returns where they are. The
-    adapter's directory also records the base it adapts and that base's fingerprint (finetune/weights.py). QLoRA's
-    merge takes the 4-bit base dequantised (`dequantized`, finish()), and writes a plain model (finetune/qlora.py).
-    Each is written into a private temporary directory and renamed into place (results.exported_directory): nothing
-    is written through a name someone else could have swapped for a link."""
-    plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
-    adapter_dir = None
-    if args.lora_r:  # PEFT's own format, in fp32; PEFT picks the adapters' tensors out of the whole model's
-        def write_adapter(directory):
-            plain.save_pretrained(directory, state_dict=weights)
-            tokenizer.save_pretrained(directory)
-            record_base(directory, args.model, base_weights)
-        adapter_dir = results.exported_directory(output_dir, "adapter", write_adapter)
-        if not args.merge_lora:
-            return adapter_dir
-        weights, plain = merge_adapters({**weights, **(dequantized or {})}, plain), plain.get_base_model()
-        if args.load_in_4bit:  # written as a plain model: save_pretrained of a 4-bit one writes its own 4-bit weights
-            weights, plain = as_plain_model(weights, plain)
-    dtype = getattr(torch, args.save_dtype)
-    plain.config.use_cache = True  # a config for generating
-
-    def write_model(directory):
-        plain.save_pretrained(directory, state_dict={k: v.to(dtype) for k, v in weights.items()})
-        plain.config.dtype = dtype  # save_pretrained wrote the dtype of the model in memory, not of the file
-        plain.config.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
-    model_dir = results.exported_directory(output_dir, "model", write_model)
-    return f"{adapter_dir}, {model_dir}" if adapter_dir else model_dir
 
 
 def main(argv=None):

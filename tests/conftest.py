@@ -281,3 +281,18 @@ def lora(finetune, hf):
         return finetune(config, *LORA, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--keep-last", "0",
                         launch_args=lora_launch_args(config, hf))
     return _lora
+
+
+@pytest.fixture(scope="session")
+def dpo(launch, hf):
+    """dpo(config, *extra) -> LaunchResult of recipes/dpo.py: LoRA on the tiny model and a learnable preference set
+    (test_dpo.py's DPO_ARGS), fp32, one launch per distinct argument list."""
+    from accelrun.finetune.preference import write_toy_pairs
+    from test_dpo import dpo_args
+    if not (hf / "prefs.jsonl").exists():
+        write_toy_pairs(hf / "prefs.jsonl")
+
+    def _dpo(config, *extra, check=True):
+        return launch(config, *dpo_args(hf), *extra, launch_args=("--mixed_precision", "no"), recipe="recipes/dpo.py",
+                      check=check)
+    return _dpo

@@ -1,4 +1,4 @@
-"""What finetune_lm.py builds on beside the run services, one module per concern:
+"""What finetune_lm.py and dpo.py build on beside the run services, one module per concern:
 
     examples.py      the data: records on disk or on the hub, read into the examples a causal model learns from
     records.py       reading the data files, and naming what is wrong with a record by its file and line
@@ -10,4 +10,7 @@
     chunked_loss.py  the next-token loss through the output layer in chunks: the logits never whole
     loss_flags.py    --loss-chunks (the standard library only: --help answers without torch)
     ulysses.py       Ulysses sequence parallelism: one sequence over several GPUs
+    training.py      --block-size's check, AdamW and the warm-up then cosine schedule, as both recipes set them
+    export.py        the exported model and adapter directories, with the merge
+    preference.py    DPO: preference records, their sequences' log-probabilities, the reference and the loss
 """
