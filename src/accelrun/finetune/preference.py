@@ -30,20 +30,11 @@ from typing import NamedTuple
 
 from accelrun.exits import one_line
 
-from .examples import assistant_positions, enough_characters
+from .examples import MIN_EXAMPLES, assistant_positions, enough_characters
 from .packing import IGNORE
 from .records import DataProblem, data_reader, is_conversation, record_location, unreadable
 
 FIELDS = ("prompt", "chosen", "rejected")
-MIN_PAIRS = 20  # fewer leave no held-out pair to evaluate on
-
-
-class PairProblem(DataProblem):
-    """A problem with one record: load_pairs names its file and line."""
-
-    def __init__(self, index, message):
-        super().__init__(message)
-        self.index = index
 
 
 class Pairs(NamedTuple):
@@ -130,8 +121,8 @@ def load_pairs(args, tokenizer, block_size, eval_pairs):
         (ci, cl), (ri, rl) = padded(*chosen, block_size, pad), padded(*rejected, block_size, pad)
         rows.append({"chosen_ids": ci, "chosen_labels": cl, "rejected_ids": ri, "rejected_labels": rl,
                      "index": index})
-    if len(rows) < MIN_PAIRS:
-        raise DataProblem(f"{source!r} gives only {len(rows)} preference pairs; give at least {MIN_PAIRS}")
+    if len(rows) < MIN_EXAMPLES:
+        raise DataProblem(f"{source!r} gives only {len(rows)} preference pairs; give at least {MIN_EXAMPLES}")
     import datasets
     data = datasets.Dataset.from_list(rows)
     split = data.train_test_split(test_size=0.05, seed=args.seed)
