@@ -12,7 +12,9 @@ torch.save of the optimizer's state, as save_state writes them) followed by an f
 of the checkpoint's files (readinto a reused buffer), from the page cache (warm: as right after the save) and from
 the disk (cold: the files' pages dropped first with posix_fadvise, as after a restart on another node).
 
-Printed: one table, every time in seconds and each ratio to its raw counterpart:
+Each round saves a new checkpoint (step 1, 2, ...) beside the earlier ones, the raw save first; every column is the
+median of --repeat rounds (the machine may be shared: a round another job slowed is outvoted). Printed: one table,
+every time in seconds and each ratio to its raw counterpart:
   save = write + checksums + flush + publish, against raw save + fsync (the goal: at most 1.25x);
   verify (warm/cold) = Checkpointer.choose, against the raw read of the same files (the goal: at most 1.25x).
 A part the code under test does not time on its own is shown as "-" (its time is in the part before it).
@@ -30,7 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("save_write_s", "save_checksum_s", "save_flush_s", "save_publish_s")
-COLUMNS = ("processes", "GB", "raw save+fsync", "write", "checksums", "flush", "publish", "save", "save ratio",
+COLUMNS = ("processes", "GB", "raw write", "raw fsync", "raw save+fsync", "write", "checksums", "flush", "publish",
+           "save", "save ratio",
            "raw read warm", "verify warm", "verify ratio warm", "raw read cold", "verify cold", "verify ratio cold",
            "load")
 
@@ -39,6 +42,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size-gb", type=float, default=1.0, help="size of the saved state (weights and AdamW moments)")
     p.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="the numbers of processes to measure")
+    p.add_argument("--repeat", type=int, default=3, help="rounds of every measurement; each column is their median")
     p.add_argument("--dir", default=None, help="where the checkpoints are written (default: a new temporary "
                                                "directory under the current one, removed afterwards)")
     p.add_argument("--json", default=None, help="also write the table's rows to this JSON file")
@@ -69,8 +73,8 @@ def _fsync(path):
 
 
 def raw_save(model, optimizer, directory):
-    """Seconds to write the same state as save_state does (save_file of the weights, torch.save of the optimizer's
-    state) and fsync both files."""
+    """(seconds to write the same state as save_state does: save_file of the weights, torch.save of the optimizer's
+    state; seconds to fsync both files)."""
     import torch
     from safetensors.torch import save_file
     os.makedirs(directory)
@@ -78,9 +82,10 @@ def raw_save(model, optimizer, directory):
     weights, state = os.path.join(directory, "model.safetensors"), os.path.join(directory, "optimizer.bin")
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights)
     torch.save(optimizer.state_dict(), state)
+    written = time.perf_counter()
     for path in (weights, state):
         _fsync(path)
-    return time.perf_counter() - started
+    return written - started, time.perf_counter() - written
 
 
 def _files(root):
@@ -136,51 +141,63 @@ def resume(acc, model, directory, cold):
     return verify, loaded
 
 
-def worker(args):
-    """One launched process: build, save through the Checkpointer and raw, resume warm and cold; the main process
-    writes its measurements to args.worker."""
-    from accelerate import Accelerator
-
+def measure_once(acc, model, optimizer, directory, step, scratch):
+    """Collective: one round of every measurement (the raw ones on the main process alone), as a dict."""
     from accelrun.checkpoint import Checkpointer, lock_directory
-    acc = Accelerator(cpu=True)
-    model, optimizer, width = build(args.size_gb)
-    model, optimizer = acc.prepare(model, optimizer)
-    acc.backward(model(acc.prepare(__import__("torch").ones(1, width))).sum())
-    optimizer.step()
-    directory = os.path.join(args.dir, "checkpoints")
-    row = {"processes": acc.num_processes}
+    row = {}
     if acc.is_main_process:
-        row["raw save+fsync"] = raw_save(acc.unwrap_model(model), optimizer, os.path.join(args.dir, "raw"))
-        shutil.rmtree(os.path.join(args.dir, "raw"))
+        row["raw write"], row["raw fsync"] = raw_save(acc.unwrap_model(model), optimizer, scratch)
+        shutil.rmtree(scratch)
     acc.wait_for_everyone()
-    lock, _ = lock_directory(acc, directory, "none", "checkpoint_speed")
+    lock, _ = lock_directory(acc, directory, "auto", "checkpoint_speed")
     ckpt = Checkpointer(acc, directory, 0, {"bench": 1}, model, lock, "checkpoint_speed")
     started = time.perf_counter()
-    ckpt.save(1, train_state(1))
+    ckpt.save(step, train_state(step))
     row["save"] = time.perf_counter() - started
     ckpt.release()
     row.update({k: ckpt.times.get(k) for k in PARTS})
-    newest = ckpt.newest
     if acc.is_main_process:
-        row["GB"] = sum(p.stat().st_size for p in _files(newest)) / 1e9
-        row["raw read warm"] = raw_read(newest)
+        row["GB"] = sum(p.stat().st_size for p in _files(ckpt.newest)) / 1e9
+        row["raw read warm"] = raw_read(ckpt.newest)
     row["verify warm"], row["load"] = resume(acc, model, directory, cold=False)
     if acc.is_main_process:
-        drop_cache(newest)
-        row["raw read cold"] = raw_read(newest)
+        drop_cache(ckpt.newest)
+        row["raw read cold"] = raw_read(ckpt.newest)
     row["verify cold"], _ = resume(acc, model, directory, cold=True)
+    return row
+
+
+def worker(args):
+    """One launched process: build, then --repeat rounds of saving through the Checkpointer and raw and resuming
+    warm and cold; the main process writes each measurement's median to args.worker."""
+    import statistics
+
+    import torch
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)
+    model, optimizer, width = build(args.size_gb)
+    model, optimizer = acc.prepare(model, optimizer)
+    acc.backward(model(torch.ones(1, width)).sum())
+    optimizer.step()
+    directory = os.path.join(args.dir, "checkpoints")
+    rounds = [measure_once(acc, model, optimizer, directory, step, os.path.join(args.dir, "raw"))
+              for step in range(1, args.repeat + 1)]
     if acc.is_main_process:
+        row = {k: (statistics.median(r[k] for r in rounds) if rounds[0][k] is not None else None)
+               for k in rounds[0]}
+        row["processes"] = acc.num_processes
         Path(args.worker).write_text(json.dumps(row))
     acc.wait_for_everyone()
 
 
 # ---- the parent: one launch per number of processes, and the table ----------------------------------------------
 
-def launch(processes, size_gb, directory, report):
+def launch(processes, size_gb, repeat, directory, report):
     """Run the worker under `processes` processes (gloo on the CPU, as the tests launch the recipes)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
-    me = [str(Path(__file__).resolve()), "--size-gb", str(size_gb), "--dir", directory, "--worker", report]
+    me = [str(Path(__file__).resolve()), "--size-gb", str(size_gb), "--repeat", str(repeat), "--dir", directory,
+          "--worker", report]
     if processes == 1:
         cmd = [sys.executable, *me]
     else:
@@ -199,6 +216,7 @@ def with_ratios(row):
     row = dict(row)
     row["write"], row["checksums"] = row.pop("save_write_s"), row.pop("save_checksum_s")
     row["flush"], row["publish"] = row.pop("save_flush_s", None), row.pop("save_publish_s", None)
+    row["raw save+fsync"] = row["raw write"] + row["raw fsync"]
     row["save ratio"] = row["save"] / row["raw save+fsync"]
     for cache in ("warm", "cold"):
         row[f"verify ratio {cache}"] = row[f"verify {cache}"] / row[f"raw read {cache}"]
@@ -227,7 +245,8 @@ def main(argv=None):
         for processes in args.processes:
             run_dir = os.path.join(scratch, f"p{processes}")
             os.makedirs(run_dir)
-            rows.append(with_ratios(launch(processes, args.size_gb, run_dir, os.path.join(scratch, "report.json"))))
+            report = os.path.join(scratch, "report.json")
+            rows.append(with_ratios(launch(processes, args.size_gb, args.repeat, run_dir, report)))
             shutil.rmtree(run_dir)
     print(table(rows), flush=True)
     if args.json:
