@@ -12,8 +12,10 @@ torch.save of the optimizer's state, as save_state writes them) followed by an f
 of the checkpoint's files (readinto a reused buffer), from the page cache (warm: as right after the save) and from
 the disk (cold: the files' pages dropped first with posix_fadvise, as after a restart on another node).
 
-Each round saves a new checkpoint (step 1, 2, ...) beside the earlier ones, the raw save first; every column is the
-median of --repeat rounds (the machine may be shared: a round another job slowed is outvoted). Printed: one table,
+Each round saves the raw state, removes it, saves a new checkpoint (step 1, 2, ...), resumes from it and removes it,
+so that every write goes into page-cache memory used before (a raw save that is not counted comes first: the first
+write of a GB into memory never used is slower, several times so on a virtual machine); every column is the median
+of --repeat rounds (the machine may be shared: a round another job slowed is outvoted). Printed: one table,
 every time in seconds and each ratio to its raw counterpart:
   save = write + checksums + flush + publish, against raw save + fsync (the goal: at most 1.25x);
   verify (warm/cold) = Checkpointer.choose, against the raw read of the same files (the goal: at most 1.25x).
@@ -164,6 +166,9 @@ def measure_once(acc, model, optimizer, directory, step, scratch):
         drop_cache(ckpt.newest)
         row["raw read cold"] = raw_read(ckpt.newest)
     row["verify cold"], _ = resume(acc, model, directory, cold=True)
+    if acc.is_main_process:
+        shutil.rmtree(ckpt.newest)  # its pages go back: the next round writes into memory the cache has used
+    acc.wait_for_everyone()
     return row
 
 
@@ -180,6 +185,9 @@ def worker(args):
     acc.backward(model(torch.ones(1, width)).sum())
     optimizer.step()
     directory = os.path.join(args.dir, "checkpoints")
+    if acc.is_main_process:  # not counted: the first write of a GB into memory the page cache never used is slower
+        raw_save(acc.unwrap_model(model), optimizer, os.path.join(args.dir, "raw"))  # (on a VM, several times)
+        shutil.rmtree(os.path.join(args.dir, "raw"))
     rounds = [measure_once(acc, model, optimizer, directory, step, os.path.join(args.dir, "raw"))
               for step in range(1, args.repeat + 1)]
     if acc.is_main_process:
