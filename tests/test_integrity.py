@@ -189,10 +189,11 @@ def test_a_manifest_of_another_format_version_is_refused_naming_it(tmp_path):
     """Issue 43, item 3: a save writes this code's format version into its manifest; a manifest of another version,
     or of none (the checkpoints written before it was recorded), is one line saying which version wrote it."""
     write_manifest(str(tmp_path), {k: v for k, v in manifest_with().items() if k != "format_version"})
-    assert read_manifest(str(tmp_path), contents=False)["format_version"] == FORMAT_VERSION == 1
-    later = "and this code reads format 1 only (resume it with the code that wrote it)"
+    assert read_manifest(str(tmp_path), contents=False)["format_version"] == FORMAT_VERSION == 3
+    later = "and this code reads formats 1, 2 and 3 only (resume it with the code that wrote it)"
     cases = {None: f"checkpoint.json records no format_version: accelrun before format 1 wrote it, {later}",
-             2: f"checkpoint.json records format_version 2: another version of accelrun wrote it, {later}",
+             4: f"checkpoint.json records format_version 4: another version of accelrun wrote it, {later}",
+             0: f"checkpoint.json records format_version 0: another version of accelrun wrote it, {later}",
              "1": f"checkpoint.json records format_version '1': another version of accelrun wrote it, {later}",
              True: f"checkpoint.json records format_version True: another version of accelrun wrote it, {later}"}
     for version, line in cases.items():

@@ -2,7 +2,7 @@
 command (accelrun/stop.py) alike. Standard library only.
 
     step-00000120/      a complete checkpoint: the engine's files (formats.py), rank-R.done markers and
-                        checkpoint.json (manifest.py: the training state, the layout, the size and SHA-256 of
+                        checkpoint.json (manifest.py: the training state, the layout, the size and checksum of
                         every file), written last
     step-00000120.k3x9a2q7/  the same, published under a name of its own when another user holds step-00000120
     .tmp-step-00000130.XXXXXXXX/ a save in progress (a name no one can plant beforehand, mode 0700), or one a
@@ -22,8 +22,9 @@ import os
 import re
 
 # The version of the checkpoint format (this layout, formats.py's files, manifest.py's schema) that a manifest
-# records: a checkpoint of another version, or of none (those written before it was recorded), is refused by name.
-FORMAT_VERSION = 1
+# records: a checkpoint of a version this code does not read (manifest.READABLE_VERSIONS), or of none (those written
+# before it was recorded), is refused by name. 3: each file's checksum is xxh3_128 (files.CHECKSUMS), not SHA-256.
+FORMAT_VERSION = 3
 
 MANIFEST = "checkpoint.json"  # written last, by the main process: the checkpoint exists once it does
 DERIVED, DERIVING = "universal", ".tmp-universal"  # a checkpoint's derived part, and its conversion in progress

@@ -1,8 +1,9 @@
 """checkpoint.json, a checkpoint's manifest: its schema, read once and checked field by field, written once.
 
 Owns (docs/checkpoints.md, "What a checkpoint can and cannot do"):
-* the format version a manifest records (layout.FORMAT_VERSION): new saves write it, and a manifest of another
-  version, or of none (written before it was recorded), is refused in one line naming the version;
+* the format version a manifest records (layout.FORMAT_VERSION): new saves write it, a manifest of an earlier one
+  this code still reads (READABLE_VERSIONS) verifies by the checksum it recorded, and one of another version, or of
+  none (written before it was recorded), is refused in one line naming the version;
 * every field's type and range (read_manifest), the layout's included (the family and ZeRO stage one of formats.py's
   formats writes), and the training state Run keeps in it (TRAIN_STATE, WINDOW, state_problem: what run.py's
   Run.start and timing.py's window_state put there); a manifest on shared storage is untrusted, and a field of
@@ -20,7 +21,7 @@ import os
 import re
 
 from ..results import RUN_ID
-from .files import coverage
+from .files import coverage, recorded
 from .formats import FORMATS, files_problem
 from .layout import FORMAT_VERSION, MANIFEST, MANIFEST_MAX_BYTES
 from .untrusted import Missing, RefusedFile, TooLarge, open_regular, shown, whole
@@ -39,20 +40,25 @@ def _is_sha256(value):
     return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
+# The format versions this code reads: 1 and 2 recorded each file's SHA-256, 3 (FORMAT_VERSION, what it writes) its
+# xxh3_128; each file is verified by the checksum its entry records (files.recorded).
+READABLE_VERSIONS = (1, 2, 3)
+
+
 def _version_problem(manifest):
-    """None, or the line refusing a manifest of another format version than this code's, naming the one it has (a
+    """None, or the line refusing a manifest of a format version this code does not read, naming the one it has (a
     manifest that is no JSON object is read_manifest's to refuse)."""
     if not isinstance(manifest, dict):
         return None
     version = manifest.get("format_version")
-    if whole(version) and version == FORMAT_VERSION:
+    if whole(version) and version in READABLE_VERSIONS:
         return None
     if "format_version" not in manifest:
-        wrote = f"records no format_version: accelrun before format {FORMAT_VERSION} wrote it"
+        wrote = f"records no format_version: accelrun before format {READABLE_VERSIONS[0]} wrote it"
     else:
         wrote = f"records format_version {shown(version)}: another version of accelrun wrote it"
-    return f"{MANIFEST} {wrote}, and this code reads format {FORMAT_VERSION} only (resume it with the code that " \
-           f"wrote it)"
+    return f"{MANIFEST} {wrote}, and this code reads formats {', '.join(map(str, READABLE_VERSIONS[:-1]))} and " \
+           f"{READABLE_VERSIONS[-1]} only (resume it with the code that wrote it)"
 
 
 def _layout_problem(layout):
@@ -133,8 +139,7 @@ def read_manifest(path, contents=True):
     for rel, want in manifest["files"].items():
         if not _plain_path(rel) or rel == MANIFEST:
             raise ValueError(f"{MANIFEST} names {rel!r}, which is not a file inside the checkpoint")
-        if not (isinstance(want, dict) and set(want) == {"size", "sha256"} and whole(want["size"])
-                and _is_sha256(want["sha256"])):
+        if not (recorded(want) and whole(want["size"])):  # {size, xxh3_128}, or {size, sha256} (formats 1, 2)
             raise ValueError(f"{MANIFEST} records no valid size and checksum for {rel!r}")
     if contents:
         problem = coverage(path, manifest["files"])
