@@ -370,7 +370,7 @@ def renumbered(written, ckpt, step, source=8):
     return plant
 
 
-LATER = "and this code reads format 1 only (resume it with the code that wrote it)"
+LATER = "and this code reads formats 1, 2 and 3 only (resume it with the code that wrote it)"
 WHAT = "which a full save of 1 process(es) writes and a resume reads"
 
 
@@ -380,7 +380,7 @@ def test_each_damaged_or_planted_checkpoint_is_skipped_with_one_line(written, da
       * manifests of another type or range (issue 36, M1, M2, M9): train_state emptied (step 11), train_state.step
         "10" (step 10), layout.grad_accum "2" (step 9) (it tracebacked);
       * another format (issue 43, item 3): no format_version, as every checkpoint written before it was recorded
-        (step 13), and format 2 (step 12);
+        (step 13), and format 4, a later one (step 12);
       * files its engine writes missing (M4, M5, M8): optimizer.bin (step 8) and model.safetensors (step 7) deleted
         and dropped from the manifest, a planted step 14 holding only a manifest (the empty one was chosen, then
         FileNotFoundError);
@@ -394,7 +394,7 @@ def test_each_damaged_or_planted_checkpoint_is_skipped_with_one_line(written, da
     edit(renumbered(written, ckpt, 10), lambda m: m["train_state"].update(step="10"))
     edit(renumbered(written, ckpt, 9), lambda m: m["layout"].update(grad_accum="2"))
     edit(renumbered(written, ckpt, 13), lambda m: m.pop("format_version"))
-    edit(renumbered(written, ckpt, 12), lambda m: m.update(format_version=2))
+    edit(renumbered(written, ckpt, 12), lambda m: m.update(format_version=4))
     (ckpt / "step-00000008" / "optimizer.bin").unlink()
     rehash(ckpt / "step-00000008", "optimizer.bin", drop=True)
     missing = renumbered(written, ckpt, 7, source=6)
@@ -421,7 +421,7 @@ def test_each_damaged_or_planted_checkpoint_is_skipped_with_one_line(written, da
                10: "its train_state's step '10' is not of the type and range Run writes",
                9: "checkpoint.json: its layout's grad_accum '2' is not a number of micro-batches",
                13: f"checkpoint.json records no format_version: accelrun before format 1 wrote it, {LATER}",
-               12: f"checkpoint.json records format_version 2: another version of accelrun wrote it, {LATER}",
+               12: f"checkpoint.json records format_version 4: another version of accelrun wrote it, {LATER}",
                14: f"checkpoint.json does not list random_states_0.pkl, {WHAT}",
                8: f"checkpoint.json does not list optimizer.bin, {WHAT}",
                7: f"checkpoint.json does not list model.safetensors, {WHAT}",
