@@ -38,6 +38,7 @@ from launching import (
     REPO,
     TRAINING,
     check_exit,
+    launch_environment,
     recipe_processes,
     run_command,
     skip_unless_ci,
@@ -282,8 +283,9 @@ def test_a_tmp_dir_swapped_during_the_save_is_not_published(written, data_dir, t
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     out = tmp_path / "swapped"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(CPU_SHIM),
-               TEST_SLOW_SAVE_SECONDS="4", TEST_SLOW_SAVE_MATCH=".tmp-step-00000008")
+    # launch_environment: this tree's src/ first on the path (it ran the installed accelrun, another tree's)
+    env = launch_environment({"PYTHONPATH": str(CPU_SHIM), "TEST_SLOW_SAVE_SECONDS": "4",
+                              "TEST_SLOW_SAVE_MATCH": ".tmp-step-00000008"})
     proc = subprocess.Popen(command(data_dir, out, "--checkpoint-dir", str(ckpt), "--keep-last", "0"), cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
