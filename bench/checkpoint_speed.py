@@ -12,10 +12,11 @@ torch.save of the optimizer's state, as save_state writes them) followed by an f
 of the checkpoint's files (readinto a reused buffer), from the page cache (warm: as right after the save) and from
 the disk (cold: the files' pages dropped first with posix_fadvise, as after a restart on another node).
 
-Each round saves the raw state, removes it, saves a new checkpoint (step 1, 2, ...), resumes from it and removes it,
-so that every write goes into page-cache memory used before (a raw save that is not counted comes first: the first
-write of a GB into memory never used is slower, several times so on a virtual machine); every column is the median
-of --repeat rounds (the machine may be shared: a round another job slowed is outvoted). Printed: one table,
+Each round saves the raw state and removes it (before the Checkpointer's save in odd rounds, after it in even ones),
+saves a new checkpoint (step 1, 2, ...), resumes from it and removes it, so that every write goes into page-cache
+memory used before (two raw saves that are not counted come first: the first write of a GB into memory never used is
+slower, several times so on a virtual machine); every column is the median of --repeat rounds, each ratio the median
+of the rounds' own ratios (the machine may be shared: a round another job slowed is outvoted). Printed: one table,
 every time in seconds and each ratio to its raw counterpart:
   save = write + checksums + flush + publish, against raw save + fsync (the goal: at most 1.25x);
   verify (warm/cold) = Checkpointer.choose, against the raw read of the same files (the goal: at most 1.25x).
@@ -147,10 +148,15 @@ def measure_once(acc, model, optimizer, directory, step, scratch):
     """Collective: one round of every measurement (the raw ones on the main process alone), as a dict."""
     from accelrun.checkpoint import Checkpointer, lock_directory
     row = {}
-    if acc.is_main_process:
-        row["raw write"], row["raw fsync"] = raw_save(acc.unwrap_model(model), optimizer, scratch)
-        shutil.rmtree(scratch)
-    acc.wait_for_everyone()
+
+    def raw():
+        if acc.is_main_process:
+            row["raw write"], row["raw fsync"] = raw_save(acc.unwrap_model(model), optimizer, scratch)
+            shutil.rmtree(scratch)
+        acc.wait_for_everyone()
+
+    if step % 2:  # the raw save before the Checkpointer's in odd rounds, after it in even ones: neither goes first
+        raw()
     lock, _ = lock_directory(acc, directory, "auto", "checkpoint_speed")
     ckpt = Checkpointer(acc, directory, 0, {"bench": 1}, model, lock, "checkpoint_speed")
     started = time.perf_counter()
@@ -158,6 +164,8 @@ def measure_once(acc, model, optimizer, directory, step, scratch):
     row["save"] = time.perf_counter() - started
     ckpt.release()
     row.update({k: ckpt.times.get(k) for k in PARTS})
+    if not step % 2:
+        raw()
     if acc.is_main_process:
         row["GB"] = sum(p.stat().st_size for p in _files(ckpt.newest)) / 1e9
         row["raw read warm"] = raw_read(ckpt.newest)
@@ -168,6 +176,9 @@ def measure_once(acc, model, optimizer, directory, step, scratch):
     row["verify cold"], _ = resume(acc, model, directory, cold=True)
     if acc.is_main_process:
         shutil.rmtree(ckpt.newest)  # its pages go back: the next round writes into memory the cache has used
+        row["save ratio"] = row["save"] / (row["raw write"] + row["raw fsync"])  # each round's own ratios
+        for cache in ("warm", "cold"):
+            row[f"verify ratio {cache}"] = row[f"verify {cache}"] / row[f"raw read {cache}"]
     acc.wait_for_everyone()
     return row
 
@@ -186,8 +197,10 @@ def worker(args):
     optimizer.step()
     directory = os.path.join(args.dir, "checkpoints")
     if acc.is_main_process:  # not counted: the first write of a GB into memory the page cache never used is slower
-        raw_save(acc.unwrap_model(model), optimizer, os.path.join(args.dir, "raw"))  # (on a VM, several times)
-        shutil.rmtree(os.path.join(args.dir, "raw"))
+        for copy in ("raw", "raw2"):  # (on a VM, several times); two: a round holds a checkpoint and a raw save
+            raw_save(acc.unwrap_model(model), optimizer, os.path.join(args.dir, copy))
+        for copy in ("raw", "raw2"):
+            shutil.rmtree(os.path.join(args.dir, copy))
     rounds = [measure_once(acc, model, optimizer, directory, step, os.path.join(args.dir, "raw"))
               for step in range(1, args.repeat + 1)]
     if acc.is_main_process:
@@ -220,14 +233,12 @@ def launch(processes, size_gb, repeat, directory, report):
 
 
 def with_ratios(row):
-    """The row with its derived columns: the part a run did not time on its own shown as None."""
+    """The row with its derived columns, the part a run did not time on its own shown as None (the ratios are the
+    medians of each round's own)."""
     row = dict(row)
     row["write"], row["checksums"] = row.pop("save_write_s"), row.pop("save_checksum_s")
     row["flush"], row["publish"] = row.pop("save_flush_s", None), row.pop("save_publish_s", None)
     row["raw save+fsync"] = row["raw write"] + row["raw fsync"]
-    row["save ratio"] = row["save"] / row["raw save+fsync"]
-    for cache in ("warm", "cold"):
-        row[f"verify ratio {cache}"] = row[f"verify {cache}"] / row[f"raw read {cache}"]
     return row
 
 
