@@ -372,7 +372,7 @@ def renumbered(written, ckpt, step, source=8):
     return plant
 
 
-LATER = "and this code reads formats 1, 2 and 3 only (resume it with the code that wrote it)"
+LATER = "and this code reads format 1 to 3 only (resume it with the code that wrote it)"
 WHAT = "which a full save of 1 process(es) writes and a resume reads"
 
 

@@ -190,7 +190,7 @@ def test_a_manifest_of_another_format_version_is_refused_naming_it(tmp_path):
     or of none (the checkpoints written before it was recorded), is one line saying which version wrote it."""
     write_manifest(str(tmp_path), {k: v for k, v in manifest_with().items() if k != "format_version"})
     assert read_manifest(str(tmp_path), contents=False)["format_version"] == FORMAT_VERSION == 3
-    later = "and this code reads formats 1, 2 and 3 only (resume it with the code that wrote it)"
+    later = "and this code reads format 1 to 3 only (resume it with the code that wrote it)"
     cases = {None: f"checkpoint.json records no format_version: accelrun before format 1 wrote it, {later}",
              4: f"checkpoint.json records format_version 4: another version of accelrun wrote it, {later}",
              0: f"checkpoint.json records format_version 0: another version of accelrun wrote it, {later}",

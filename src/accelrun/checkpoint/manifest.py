@@ -57,8 +57,8 @@ def _version_problem(manifest):
         wrote = f"records no format_version: accelrun before format {READABLE_VERSIONS[0]} wrote it"
     else:
         wrote = f"records format_version {shown(version)}: another version of accelrun wrote it"
-    return f"{MANIFEST} {wrote}, and this code reads formats {', '.join(map(str, READABLE_VERSIONS[:-1]))} and " \
-           f"{READABLE_VERSIONS[-1]} only (resume it with the code that wrote it)"
+    return f"{MANIFEST} {wrote}, and this code reads format {READABLE_VERSIONS[0]} to {READABLE_VERSIONS[-1]} only " \
+           f"(resume it with the code that wrote it)"
 
 
 def _layout_problem(layout):
