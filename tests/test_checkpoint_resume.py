@@ -230,8 +230,10 @@ def test_zero_resumes_on_another_world_size_through_the_universal_checkpoint(she
     on_disk = sorted(str(p.relative_to(derived)) for p in derived.rglob("*") if p.is_file())
     assert sorted(converted["files"]) == [rel for rel in on_disk if rel != "checkpoint.json"]
     assert "latest_universal" in converted["files"] and "pytorch_model/zero/wpe.weight/fp32.pt" in converted["files"]
+    from accelrun.checkpoint.files import matches
     for rel, want in converted["files"].items():
-        assert hashlib.sha256((derived / rel).read_bytes()).hexdigest() == want["sha256"], rel
+        with open(derived / rel, "rb") as f:
+            assert set(want) == {"size", "xxh3_128"} and matches(f.fileno(), want), rel
     own = json.loads((written_by_2 / "checkpoint.json").read_text())
     assert converted["derived_from"] == hashlib.sha256(json.dumps(own["files"], sort_keys=True).encode()).hexdigest()
     assert not [rel for rel in own["files"] if rel.startswith("universal")]

@@ -37,7 +37,8 @@ SUMMARY_KEYS = [
     "param_elements_per_rank", "param_checksum_per_rank", "fsdp_units", "model_init",
     "host_peak_gb_at_start_per_rank", "device_peak_gb_at_start_per_rank",
     # checkpoints
-    "checkpoints", "saves", "save_write_s", "save_checksum_s", "resume_verify_s", "resume_load_s",
+    "checkpoints", "saves", "save_write_s", "save_checksum_s", "save_flush_s", "save_publish_s", "resume_verify_s",
+    "resume_load_s",
     # recipe extras and arguments
     "preset", "block_size", "train_blocks", "model_state_gb_per_process_estimate", "sample",
     "arch", "image_size", "classes", "base_model", "data_format", "train_examples", "loss_positions_share",

@@ -41,6 +41,7 @@ from launching import (
     REPO,
     TRAINING,
     check_exit,
+    launch_environment,
     recipe_processes,
     run_command,
     skip_unless_ci,
@@ -285,8 +286,9 @@ def test_a_tmp_dir_swapped_during_the_save_is_not_published(written, data_dir, t
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     out = tmp_path / "swapped"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(CPU_SHIM),
-               TEST_SLOW_SAVE_SECONDS="4", TEST_SLOW_SAVE_MATCH=".tmp-step-00000008")
+    # launch_environment: this tree's src/ first on the path (it ran the installed accelrun, another tree's)
+    env = launch_environment({"PYTHONPATH": str(CPU_SHIM), "TEST_SLOW_SAVE_SECONDS": "4",
+                              "TEST_SLOW_SAVE_MATCH": ".tmp-step-00000008"})
     proc = subprocess.Popen(command(data_dir, out, "--checkpoint-dir", str(ckpt), "--keep-last", "0"), cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -383,7 +385,7 @@ def test_each_damaged_or_planted_checkpoint_is_skipped_with_one_line(written, da
       * manifests of another type or range (issue 36, M1, M2, M9): train_state emptied (step 11), train_state.step
         "10" (step 10), layout.grad_accum "2" (step 9) (it tracebacked);
       * another format (issue 43, item 3): no format_version, as every checkpoint written before it was recorded
-        (step 13), and format 2 (step 12);
+        (step 13), and format 4, a later one (step 12);
       * files its engine writes missing (M4, M5, M8): optimizer.bin (step 8) and model.safetensors (step 7) deleted
         and dropped from the manifest, a planted step 14 holding only a manifest (the empty one was chosen, then
         FileNotFoundError);

@@ -191,10 +191,10 @@ def test_a_manifest_of_another_format_version_is_refused_naming_it(tmp_path):
     wrote it. Issue 54, item 4: format 2, and format 1 still reads, but for an FSDP2 LoRA checkpoint (format 1 held
     the whole model before it held the adapters only: the two cannot be told apart)."""
     write_manifest(str(tmp_path), {k: v for k, v in manifest_with().items() if k != "format_version"})
-    assert read_manifest(str(tmp_path), contents=False)["format_version"] == FORMAT_VERSION == 2
-    later = "and this code reads format 1 and 2 only (resume it with the code that wrote it)"
+    assert read_manifest(str(tmp_path), contents=False)["format_version"] == FORMAT_VERSION == 3
+    later = "and this code reads format 1 to 3 only (resume it with the code that wrote it)"
     cases = {None: f"checkpoint.json records no format_version: accelrun before format 1 wrote it, {later}",
-             3: f"checkpoint.json records format_version 3: another version of accelrun wrote it, {later}",
+             4: f"checkpoint.json records format_version 4: another version of accelrun wrote it, {later}",
              0: f"checkpoint.json records format_version 0: another version of accelrun wrote it, {later}",
              "1": f"checkpoint.json records format_version '1': another version of accelrun wrote it, {later}",
              True: f"checkpoint.json records format_version True: another version of accelrun wrote it, {later}"}

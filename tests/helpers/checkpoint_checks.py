@@ -3,7 +3,7 @@ no launch: shared by test_integrity.py and test_hostile_checkpoint_dir.py. The r
 
 import os
 
-from accelrun.checkpoint.files import digest
+from accelrun.checkpoint.files import matches
 from accelrun.checkpoint.held import HeldCheckpoint
 from accelrun.checkpoint.untrusted import RefusedFile
 
@@ -24,13 +24,13 @@ def check_loadable(root, rels, files=None):
 
 
 def check_files(root, expected):
-    """None, or what is wrong with the first of `expected` ({rel: {size, sha256}}) that does not match."""
+    """None, or what is wrong with the first of `expected` ({rel: {size, <checksum>}}) that does not match."""
     with HeldCheckpoint(str(root), expected) as held:
         try:
             held.hold()
         except RefusedFile as exc:
             return str(exc)
         for rel, want in sorted(expected.items()):
-            if digest(held.held[rel].fileno(), want["size"]) != (want["size"], want["sha256"]):
+            if not matches(held.held[rel].fileno(), want):
                 return f"{rel} does not match its recorded size and checksum (truncated or overwritten)"
     return None

@@ -14,8 +14,11 @@ __all__ = ["Checkpointer", "lock_directory"]
 
 
 def no_times():
-    """The summary's checkpoint times before any save or resume."""
-    return {"saves": 0, "save_write_s": 0.0, "save_checksum_s": 0.0, "resume_verify_s": None, "resume_load_s": None}
+    """The summary's checkpoint times before any save or resume: the saves' seconds summed by part (accelerate's
+    write, the checksums, the flush to disk, the publish: the manifest and the rename), and the resume's
+    verification (the choice: manifests, checksums and formats checked by every rank) and load."""
+    return {"saves": 0, "save_write_s": 0.0, "save_checksum_s": 0.0, "save_flush_s": 0.0, "save_publish_s": 0.0,
+            "resume_verify_s": None, "resume_load_s": None}
 
 
 class NoCheckpoints:

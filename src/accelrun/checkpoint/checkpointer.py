@@ -78,24 +78,25 @@ class Checkpointer:
     def save(self, step, train_state):
         """Collective: write step-NNNNNNNN, verify and publish it, then rotate the older ones."""
         scope = self.scope
-        final, started, written = self.saver.save(step, {
+        final, took = self.saver.save(step, {
             "step": step, "layout": scope.layout, "must_match": scope.must_match, "train_state": train_state,
             **({"recipe": scope.recipe} if scope.recipe else {})})
         self.last_saved_step, self.newest = step, final
         scope.verified.add(final)
-        self._count_save(final, started, written)
+        self._count_save(final, took)
         if scope.accelerator.is_main_process and self.keep_last:
             self.rotation.rotate(step, final)
 
-    def _count_save(self, final, started, written):
-        """The save's times, for the summary, and its line."""
-        acc, done = self.scope.accelerator, time.perf_counter()
+    def _count_save(self, final, took):
+        """The save's times, for the summary, and its line: where the time went (saver.save's parts)."""
+        acc = self.scope.accelerator
         self.times["saves"] += 1
-        self.times["save_write_s"] += written - started
-        self.times["save_checksum_s"] += done - written
+        for part in ("write", "checksum", "flush", "publish"):
+            self.times[f"save_{part}_s"] += took["checksums" if part == "checksum" else part]
         if acc.is_main_process:
-            print(f"checkpoint saved: {final} (written in {written - started:.1f} s, checksums by "
-                  f"{acc.num_processes} rank(s) in {done - written:.1f} s)", flush=True)
+            print(f"checkpoint saved: {final} (written in {took['write']:.1f} s, checksums by {acc.num_processes} "
+                  f"rank(s) in {took['checksums']:.1f} s, flushed to disk in {took['flush']:.1f} s, published in "
+                  f"{took['publish']:.1f} s)", flush=True)
 
     def choose(self, spec):
         """Collective. The checkpoint `spec` names (auto: the newest usable one; the directory of step-*

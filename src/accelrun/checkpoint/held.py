@@ -2,17 +2,19 @@
 --checkpoint-dir").
 
 Owns HeldCheckpoint: every rank opens each file its manifest lists once, walking the checkpoint without following a
-link (files.open_in), holds the descriptors, hashes and parses its share through them (the checksum, and that each
-pickle loads as weights only: safe_loading.py's rules), and loads through a private directory of links to those
-descriptors (view): whatever replaces a file at its path afterwards is never read, and replaced() names it. The ranks
-compare what they hold (collectives.checked_by_every_rank).
+link (files.open_in), holds the descriptors, hashes and parses its share through them (the checksum its manifest
+recorded, the files of the share hashed in parallel, each read once; and that each pickle loads as weights only:
+safe_loading.py's rules, parsed with the tensors memory-mapped, not read), and loads through a private directory of
+links to those descriptors (view): the load reads the verified files through them once more, from the page cache
+the verification has just filled, and whatever replaces a file at its path afterwards is never read (replaced()
+names it). The ranks compare what they hold (collectives.checked_by_every_rank).
 """
 
 import os
 import shutil
 import tempfile
 
-from .files import allow_open_files, digest, entry_identity, my_share, open_in
+from .files import allow_open_files, entry_identity, in_parallel, matches, my_share, open_in
 from .owners import theirs
 from .safe_loading import (
     UnsafeCheckpointFile,
@@ -32,7 +34,7 @@ class HeldCheckpoint:
     through view(), a private directory of links to them. Close it (or use `with`) when the load is over."""
 
     def __init__(self, path, files, follow=True):
-        """files: the manifest's table ({rel: {size, sha256}}); follow: whether `path` itself may be a link (a path
+        """files: the manifest's table ({rel: {size, <checksum>}}); follow: whether `path` itself may be a link (a path
         the user gave), or must be the directory (a step-* entry found in --checkpoint-dir)."""
         self.path, self.files, self.follow = path, files, follow
         self.held, self.root, self._view = {}, None, None
@@ -76,10 +78,12 @@ class HeldCheckpoint:
             if not self.held:
                 self.hold()
             mine = my_share(list(self.files), rank, world)
-            for rel in mine:
-                want = self.files[rel]
-                if digest(self.held[rel].fileno(), want["size"]) != (want["size"], want["sha256"]):
-                    return f"{rel} does not match its recorded size and checksum (truncated or overwritten)", None
+            # Every file of the share hashed at once, each read once through its held descriptor; the first that
+            # differs, in the share's order, is the one named (as a loop over them would name it).
+            verdicts = in_parallel(lambda rel: matches(self.held[rel].fileno(), self.files[rel]), mine)
+            bad = next((rel for rel, ok in zip(mine, verdicts) if not ok), None)
+            if bad:
+                return f"{bad} does not match its recorded size and checksum (truncated or overwritten)", None
             return None, self.loadable(mine)
         except RefusedFile as exc:
             return str(exc), None

@@ -2,7 +2,7 @@
 command (accelrun/stop.py) alike. Standard library only.
 
     step-00000120/      a complete checkpoint: the engine's files (formats.py), rank-R.done markers and
-                        checkpoint.json (manifest.py: the training state, the layout, the size and SHA-256 of
+                        checkpoint.json (manifest.py: the training state, the layout, the size and checksum of
                         every file), written last
     step-00000120.k3x9a2q7/  the same, published under a name of its own when another user holds step-00000120
     .tmp-step-00000130.XXXXXXXX/ a save in progress (a name no one can plant beforehand, mode 0700), or one a
@@ -26,7 +26,8 @@ import re
 # (tests/test_format_version.py holds that); the versions from READ_SINCE on still load, a checkpoint of any other,
 # or of none (those written before it was recorded), is refused by name (train_state.version_problem).
 # 2: FSDP2's LoRA checkpoints hold the adapters only (format 1 held the whole model when it began).
-FORMAT_VERSION = 2
+# 3: each file's checksum is xxh3_128 (files.CHECKSUMS), not SHA-256; 1 and 2 verify by the SHA-256 they recorded.
+FORMAT_VERSION = 3
 READ_SINCE = 1  # the oldest format version this code still reads
 
 MANIFEST = "checkpoint.json"  # written last, by the main process: the checkpoint exists once it does

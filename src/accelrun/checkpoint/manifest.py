@@ -1,9 +1,9 @@
 """checkpoint.json, a checkpoint's manifest: its schema, read once and checked field by field, written once.
 
 Owns (docs/checkpoints.md, "What a checkpoint can and cannot do"):
-* the format version a manifest records (layout.FORMAT_VERSION): new saves write it, and a manifest of a version
-  this code does not read, or of none (written before it was recorded), is refused in one line naming the version
-  (train_state.version_problem);
+* the format version a manifest records (layout.FORMAT_VERSION): new saves write it, a manifest of an earlier one
+  this code still reads verifies by the checksum it recorded, and one of another version, or of none (written
+  before it was recorded), is refused in one line naming the version (train_state.version_problem);
 * every field's type and range (read_manifest), the layout's included (the family and ZeRO stage one of formats.py's
   formats writes), and the training state Run keeps in it (train_state.py, which the stop command reads too); a
   manifest on shared storage is untrusted, and a field of another type would otherwise surface as a traceback deep in
@@ -18,7 +18,7 @@ import json
 import os
 import re
 
-from .files import coverage, file_table
+from .files import coverage, file_table, recorded
 from .formats import FORMATS, files_problem, fingerprint
 from .layout import FORMAT_VERSION, LAYOUT_MAX, MANIFEST
 from .train_state import TRAIN_STATE, WINDOW_STATE, read_json, state_problem, version_problem
@@ -80,8 +80,7 @@ def read_manifest(path, contents=True):
     for rel, want in manifest["files"].items():
         if not _plain_path(rel) or rel == MANIFEST:
             raise ValueError(f"{MANIFEST} names {rel!r}, which is not a file inside the checkpoint")
-        if not (isinstance(want, dict) and set(want) == {"size", "sha256"} and whole(want["size"])
-                and _is_sha256(want["sha256"])):
+        if not (recorded(want) and whole(want["size"])):  # {size, xxh3_128}, or {size, sha256} (formats 1, 2)
             raise ValueError(f"{MANIFEST} records no valid size and checksum for {rel!r}")
     if contents:
         problem = coverage(path, manifest["files"])

@@ -4,15 +4,15 @@ Owns the save (docs/checkpoints.md, "How a checkpoint is written"): every rank c
 is collective under DeepSpeed and FSDP (each rank writes its own shards). The main process makes a new directory
 .tmp-step-N.XXXXXXXX (mode 0700, a name no one can plant beforehand), takes its identity and writes the marker of a
 save in progress into it through a descriptor (private_directory); every rank writes its part and its done marker,
-then hashes and syncs its share of the files (files.my_share); the main process gathers the tables, checks every
-done marker (a missing one: the directory is not shared between nodes), writes the manifest last, removes the
-marker of a save in progress and renames the directory to step-N, the moment the checkpoint becomes visible, but
-only if the .tmp directory is still the one it made (before the manifest, the marker and the rename: in a
-directory trust.py accepts no one else can rename it, but a writer trusted with ACCELRUN_TRUST_SHARED_DIRS=1 could
-swap it for a link). A kill at any moment leaves the earlier checkpoints and at most a .tmp directory with the
-marker, which the next run removes (lock.clear_unfinished); a save that fails removes its .tmp directory and leaves
-the earlier checkpoints untouched. Where another user's entry holds step-N (a shared directory with the sticky bit),
-the save is published as step-N.XXXXXXXX (owners.py).
+then hashes its share of the files (files.my_share; xxh3_128, the files at once, from the page cache) and flushes
+them to disk; the main process gathers the tables, checks every done marker (a missing one: the directory is not
+shared between nodes), writes the manifest last, removes the marker of a save in progress and renames the directory
+to step-N, the moment the checkpoint becomes visible, but only if the .tmp directory is still the one it made
+(before the manifest, the marker and the rename: in a directory trust.py accepts no one else can rename it, but a
+writer trusted with ACCELRUN_TRUST_SHARED_DIRS=1 could swap it for a link). A kill at any moment leaves the earlier
+checkpoints and at most a .tmp directory with the marker, which the next run removes (lock.clear_unfinished); a save
+that fails removes its .tmp directory and leaves the earlier checkpoints untouched. Where another user's entry holds
+step-N (a shared directory with the sticky bit), the save is published as step-N.XXXXXXXX (owners.py).
 """
 
 import os
@@ -27,7 +27,7 @@ from accelerate.utils import gather_object
 from torch.distributed.checkpoint.api import CheckpointException  # FSDP's sharded saves raise it
 
 from ..collectives import main_process_result
-from .files import file_table, fsync, listing, my_share, remove_entry
+from .files import file_table, fsync, in_parallel, listing, my_share, remove_entry
 from .layout import SAVING, done_marker, step_name, tmp_prefix
 from .manifest import write_manifest
 from .owners import theirs
@@ -93,7 +93,8 @@ class Saver:
 
     def save(self, step, manifest):
         """Collective: write step-NNNNNNNN with `manifest` (all but its file table), verify and publish it. Returns
-        (its path, when the save began, when the ranks had written it) on every rank."""
+        (its path, where its time went: {write, checksums, flush, publish} in seconds, the checksums and the flush
+        the slowest rank's) on every rank."""
         acc = self.scope.accelerator
         name = step_name(step)
         final = os.path.join(self.scope.directory, name)
@@ -102,8 +103,12 @@ class Saver:
         tmp, made = self._fresh_tmp(name, final)
         self._write_state(tmp, final)
         written = time.perf_counter()
-        shares = self._hash_shares(tmp)
-        return self._publish(tmp, final, made, shares, manifest), started, written
+        tables, seen = self._hash_shares(tmp)
+        gathered = time.perf_counter()
+        final = self._publish(tmp, final, made, (tables, seen), manifest)
+        took = [t for _, _, t in tables]
+        return final, {"write": written - started, "checksums": max(t[0] for t in took),
+                       "flush": max(t[1] for t in took), "publish": time.perf_counter() - gathered}
 
     def _fresh_tmp(self, name, final):
         """Collective: the main process makes a new directory .tmp-step-N.XXXXXXXX (mode 0700, a name no one can
@@ -136,19 +141,24 @@ class Saver:
         acc.wait_for_everyone()
 
     def _hash_shares(self, tmp):
-        """Collective: every rank hashes and syncs its share, the files it wrote and its turn of the others.
-        Returns (every rank's (table, problem), the files this rank saw)."""
+        """Collective: every rank hashes its share, the files it wrote and its turn of the others, from the page
+        cache the write has just filled (the files of the share at once: files.file_table), then flushes them to
+        disk (at once too: the disk takes the writes in parallel). Returns (every rank's (table, problem, (seconds
+        hashing, seconds flushing))), the files this rank saw)."""
         acc = self.scope.accelerator
-        table, error, seen = {}, None, []
+        table, error, seen, took = {}, None, [], (0.0, 0.0)
         try:
             seen = listing(tmp)
             mine = my_share(seen, acc.process_index, acc.num_processes)
+            began = time.perf_counter()
             table = file_table(tmp, mine)
-            for rel in mine:
-                fsync(os.path.join(tmp, rel))
+            hashed = time.perf_counter()
+            in_parallel(lambda rel: fsync(os.path.join(tmp, rel)), mine)
+            took = (hashed - began, time.perf_counter() - hashed)
         except OSError as exc:  # RefusedFile too: a link or FIFO where this save wrote a file
             error = f"rank {acc.process_index}: {exc}"
-        return (gather_object([(table, error)]) if acc.num_processes > 1 else [(table, error)]), seen
+        mine = (table, error, took)
+        return (gather_object([mine]) if acc.num_processes > 1 else [mine]), seen
 
     def _publish(self, tmp, final, made, shares, manifest):
         """Collective: the main process completes the manifest with every file's size and checksum, writes it
@@ -190,7 +200,7 @@ class Saver:
         return other
 
     def _file_table(self, tmp, tables, seen):
-        """Main process: {rel: {size, sha256}} of every file of the save, from the ranks' tables; refuses a
+        """Main process: {rel: {size, xxh3_128}} of every file of the save, from the ranks' tables; refuses a
         save whose ranks wrote where the main process cannot see."""
         missing = [r for r in range(self.scope.accelerator.num_processes)
                    if not os.path.exists(os.path.join(tmp, done_marker(r)))]
@@ -199,7 +209,7 @@ class Saver:
                                f"process cannot see: --checkpoint-dir {self.scope.directory!r} must be on "
                                f"storage shared by every node")
         files = {}
-        for part, problem in tables:
+        for part, problem, _ in tables:
             if problem:
                 raise OSError(problem)
             files.update(part)
