@@ -488,6 +488,7 @@ def test_token_chunks_train_to_the_plain_losss_validation_loss(hf, tmp_path):
         code, output = run_main("finetune_lm", [*finetune_args(hf), *flags, "--output-dir", out], timeout=300)
         assert code == 0, output[-3000:]
         runs[flags[0]] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert json.loads((out / "summary.json").read_text())["attention"] == "sdpa"  # auto on a CPU: today's path
     plain, tokens = runs["--loss-chunks"], runs["--loss-chunk-tokens"]
     assert [m["step"] for m in tokens if "loss" in m] == list(range(1, STEPS + 1))
     evals = [[m["val_loss"] for m in run if "val_loss" in m] for run in (plain, tokens)]
