@@ -18,9 +18,10 @@ base is frozen in bf16, 2 bytes per parameter (DDP: on every GPU; ZeRO-3, FSDP2:
 adapters take what a full fine-tune takes per parameter, on n instead of N (about 0.5% of N at r 16).
 Activations per token, bf16, flash attention (no T x T matrix): per layer about 24 d + 8 i bytes (the
 norms' fp32 copies, q/k/v, the attention output, the MLP's four i-wide tensors), plus the logits
-(bf16, their fp32 copy and its gradient: 10 V bytes; with the loss in N chunks, --loss-chunks, one chunk's:
-10 V / N, every position counted as in the loss, the worst case). With gradient checkpointing only each layer's
-input (2 d bytes) stays, plus one layer recomputed at a time. LoRA adds, per layer, the dropped-out
+(bf16, their fp32 copy and its gradient: 10 V bytes; with the loss in chunks of at most C loss positions,
+--loss-chunk-tokens C (finetune_lm.py's default form, C = 8,192), one chunk's: 10 V min(tokens, C); with
+--loss-chunks N, 10 V / N; every position counted as in the loss, the worst case). With gradient checkpointing
+only each layer's input (2 d bytes) stays, plus one layer recomputed at a time. LoRA adds, per layer, the dropped-out
 copy of each adapted layer's input and its mask (3 bytes per element: 6 d + i elements per token,
 none with --lora-dropout 0), and the adapters' r-wide outputs (negligible).
 """
@@ -29,7 +30,7 @@ import argparse
 
 import torch
 
-from accelrun.finetune.loss_flags import DEFAULT_CHUNKS
+from accelrun.finetune.loss_flags import DEFAULT_CHUNK_TOKENS
 from accelrun.finetune.qlora import NF4_BYTES
 
 # name: (config class, its arguments): the published shapes
@@ -105,8 +106,9 @@ def table(gpus=2, gpu_gb=80.0, tokens=4096, lora_r=0):
 
 
 # The jobs of docs/recipes.md's long-context table (--jobs): every job with --gradient-checkpointing and the loss in
-# DEFAULT_CHUNKS chunks (finetune_lm.py's default --loss-chunks), one sequence per data-parallel rank. QLoRA's base:
-# NF4 with double quantisation, 4 bits plus an 8-bit scale per 64 weights plus an fp32 scale per 256 of those (0.516
+# chunks of DEFAULT_CHUNK_TOKENS (finetune_lm.py's default --loss-chunk-tokens; SMALL_CHUNK_TOKENS where that does
+# not fit), one sequence per data-parallel rank. QLoRA's base: NF4 with double quantisation, 4 bits plus an 8-bit
+# scale per 64 weights plus an fp32 scale per 256 of those (0.516
 # bytes per weight: NF4_BYTES, defined where finetune_lm.py's --load-in-4bit quantises) on the decoder's linear
 # layers; the embedding, the output layer and the norms stay bf16.
 JOB_MODELS = {"8B": "meta-llama/Llama-3.1-8B", "14B": "Qwen/Qwen2.5-14B", "32B": "Qwen/Qwen2.5-32B",
@@ -120,20 +122,22 @@ JOB_FLAGS = {"full": "--gradient-checkpointing", "LoRA": f"--gradient-checkpoint
 COMMAND = ("accelerate launch --config_file accelerate_configs/CONFIG recipes/finetune_lm.py --model MODEL "
            "--data-files DATA")
 LENGTHS = (2048, 8192, 32768)
+SMALL_CHUNK_TOKENS = 2048  # --loss-chunk-tokens of a cell whose plan needs chunks smaller than the default
 SHARDED = {"fsdp": "accelerate_configs/fsdp.yaml", "sp2": "accelerate_configs/deepspeed_zero3_sp2.yaml"}
 
 
-def job_parts(name, job, length, sp=1, gpus=2, chunks=DEFAULT_CHUNKS, lora_r=LORA_R):
+def job_parts(name, job, length, sp=1, gpus=2, chunks=None, lora_r=LORA_R, chunk_tokens=DEFAULT_CHUNK_TOKENS):
     """GB per GPU of one job with the states sharded over `gpus` (FSDP2 or ZeRO-3, bf16 compute) and one sequence of
     `length` tokens per data-parallel rank, `sp` GPUs sharing it: {model states, the bf16 layers gathered (the one
     computing and the one prefetched), layer activations with gradient checkpointing, logits}."""
     n, s = parameters(name.split("/")[-1])
-    return shape_parts(n, s, job, length, sp, gpus, chunks, lora_r)
+    return shape_parts(n, s, job, length, sp, gpus, chunks, lora_r, chunk_tokens)
 
 
-def shape_parts(n, s, job, length, sp=1, gpus=2, chunks=DEFAULT_CHUNKS, lora_r=LORA_R):
+def shape_parts(n, s, job, length, sp=1, gpus=2, chunks=None, lora_r=LORA_R, chunk_tokens=DEFAULT_CHUNK_TOKENS):
     """job_parts for a model of n parameters and the shape s (a config's hidden_size, intermediate_size,
-    num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size): the GPU pack's tiny model too."""
+    num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size): the GPU pack's tiny model too. The
+    loss's chunks: at most chunk_tokens positions (--loss-chunk-tokens), or with chunks N the count form."""
     d, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
     a = adapter_parameters(s, lora_r)
     kv = d // s["num_attention_heads"] * s["num_key_value_heads"]
@@ -143,19 +147,22 @@ def shape_parts(n, s, job, length, sp=1, gpus=2, chunks=DEFAULT_CHUNKS, lora_r=L
     gathered = 2 * per_layer * (NF4_BYTES if job == "QLoRA" else 2)
     tokens = length / sp
     activations = layers * 2 * d * tokens + (24 * d + 8 * i) * tokens
-    logits = 10 * vocab * tokens / chunks
+    logits = 10 * vocab * (tokens / chunks if chunks else min(tokens, chunk_tokens))
     return {"model states": states / gpus / 1e9, "gathered layers": gathered / 1e9,
             "activations": activations / 1e9, "logits": logits / 1e9}
 
 
 def job_plan(size, job, length, gpus=2, gpu_gb=80.0):
-    """(config key or None, parts of the first way that fits, or of the last tried when none does): the 2 GPUs as
-    data-parallel FSDP2 ranks, one sequence each; else both on one sequence (Ulysses, sp 2)."""
+    """(config key or None, parts of the first way that fits, or of the last tried when none does, the loss's chunk
+    size): the 2 GPUs as data-parallel FSDP2 ranks, one sequence each; else both on one sequence (Ulysses, sp 2);
+    each with the default chunks of the loss, else SMALL_CHUNK_TOKENS (one sequence per GPU holds fewer loss
+    positions than the default chunk: smaller chunks hold fewer logits)."""
     for key, sp in (("fsdp", 1), ("sp2", 2)):
-        parts = job_parts(JOB_MODELS[size], job, length, sp, gpus)
-        if sum(parts.values()) < gpu_gb:
-            return key, parts
-    return None, parts
+        for chunk_tokens in (DEFAULT_CHUNK_TOKENS, SMALL_CHUNK_TOKENS):
+            parts = job_parts(JOB_MODELS[size], job, length, sp, gpus, chunk_tokens=chunk_tokens)
+            if sum(parts.values()) < gpu_gb:
+                return key, parts, chunk_tokens
+    return None, parts, chunk_tokens
 
 
 def jobs_table(gpus=2, gpu_gb=80.0):
@@ -171,12 +178,13 @@ def jobs_table(gpus=2, gpu_gb=80.0):
         for job in JOBS:
             cells = []
             for length in LENGTHS:
-                key, parts = job_plan(size, job, length, gpus, gpu_gb)
+                key, parts, chunk_tokens = job_plan(size, job, length, gpus, gpu_gb)
                 total = sum(parts.values())
                 if key:
                     batch = "--batch-size 2" if key == "fsdp" else "--batch-size 1 --no-packing"
+                    chunks = "" if chunk_tokens == DEFAULT_CHUNK_TOKENS else f" --loss-chunk-tokens {chunk_tokens}"
                     cells.append(f"{total:.0f} GB: `{SHARDED[key].split('/')[-1]} --block-size {length} {batch} "
-                                 f"{JOB_FLAGS[job]}`")
+                                 f"{JOB_FLAGS[job]}{chunks}`")
                 else:
                     worst = max(parts, key=parts.get)
                     cells.append(f"**no** ({total:.0f} GB): {worst} {parts[worst]:.1f} GB")

@@ -52,6 +52,12 @@ import benchmark  # noqa: E402
 # (issue "Fine-tune at H100 speed"). --packing / --no-packing: recipes/finetune_lm.py's flag (that issue, item 1).
 FINETUNE = "--model {llama} --data-files {chats} --block-size 1024 --eval-batches 2"
 LORA = "--lora-r 16"
+# Issue 55 ("Packing at H100 speed"): the same chats at blocks of 4,096 and 8,192 tokens, 8,192 tokens a step, packed
+# with FlexAttention's block mask (--attention flex), packed with SDPA's dense mask (--attention sdpa) and padded.
+LONG = "--model {llama} --data-files {chats} --eval-batches 1 --eval-every 1000"
+BLOCKS = {4096: "--block-size 4096 --batch-size 2", 8192: "--block-size 8192 --batch-size 1"}
+ATTENTION_FORMS = {"flex": "--packing --attention flex", "dense": "--packing --attention sdpa",
+                   "padded": "--no-packing --attention sdpa"}
 
 
 @dataclass(frozen=True)
@@ -69,9 +75,41 @@ class Part:
     warm_gb: float = 0.0
     first: bool = False  # the first stage: the fine-tune parts
     missing: str = ""  # a part the recipe cannot run yet: why. Listed in its place, never run
+    goal: str = ""  # the goal its comparison is judged by, shown in the plan (--dry-run) under the part
 
 
 FULL, EAGER, COMPILED = ("1gpu.yaml", "1gpu_compile.yaml"), "1gpu.yaml", "1gpu_compile.yaml"
+# Issue 55's goals: flex packed >= 1.8x padded and >= 1.3x dense packed (real tokens/s, compiled, at each block);
+# its peak memory below dense packed's at 8,192 (dense / flex > 1); token chunks no slower than 8 chunks.
+ATTENTION_GOALS = {"padded": 1.8, "dense": 1.3, "memory": 1.0, "chunks": 1.0}
+
+
+def attention_parts():
+    """Issue 55's parts: at each block, flex packed, dense packed and padded, compiled (10 steps each: tokens/s, MFU
+    and peak memory; the sync check of a flex step is the pack's, tests/test_gpu.py); then the loss's chunk forms
+    side by side at the largest block, eager (a compiled model keeps the plain loss): --loss-chunk-tokens 8192
+    against --loss-chunks 8."""
+    what = {"flex": "packed, FlexAttention's block mask", "dense": "packed, SDPA's dense block-diagonal mask",
+            "padded": "one chat per block, padded"}
+    goals = {block: f"flex / padded >= {ATTENTION_GOALS['padded']:g}x and flex / dense >= "
+                    f"{ATTENTION_GOALS['dense']:g}x real tokens/s" + ("; flex's peak memory below dense's"
+                                                                      if block == max(BLOCKS) else "")
+             for block in BLOCKS}
+    parts = [Part(f"finetune-{form}-{block}", ("--recipe", "finetune_lm", "--configs", COMPILED, "--steps", "10",
+                                               "--recipe-args", f"{LONG} {BLOCKS[block]} {flags}"),
+                  f"the full fine-tune at blocks of {block} tokens, {what[form]}, compiled: real tokens/s, MFU, "
+                  f"peak memory", 45, 90, 36, first=True, goal=goals[block] if form == "flex" else "")
+             for block in BLOCKS for form, flags in ATTENTION_FORMS.items()]
+    largest = max(BLOCKS)
+    for name, flags in (("chunk-tokens", "--loss-chunk-tokens 8192"), ("chunks-8", "--loss-chunks 8")):
+        parts.append(Part(f"finetune-{name}-{largest}", (
+            "--recipe", "finetune_lm", "--configs", EAGER, "--steps", "10", "--recipe-args",
+            f"{LONG} {BLOCKS[largest]} {ATTENTION_FORMS['flex']} {flags}"),
+            f"flex packed at {largest}, eager, the loss in chunks {flags}: real tokens/s and peak memory", 40,
+            first=True, goal="" if name == "chunks-8" else "token chunks / 8 chunks >= 1 real tokens/s (no slower)"))
+    return parts
+
+
 # In the order they run: the fine-tunes first, then the rest; a budget cut leaves out the last ones.
 PARTS = [
     Part("finetune-full", ("--recipe", "finetune_lm", "--configs", *FULL, "--steps", "20",
@@ -91,11 +129,12 @@ PARTS = [
     Part("finetune-chunked-loss", ("--recipe", "finetune_lm", "--configs", EAGER, "--steps", "20",
                                    "--recipe-args", f"{FINETUNE} --packing --loss-chunks 1"),
          "the full fine-tune with the plain loss (--loss-chunks 1): peak memory and tokens/s against finetune-full's "
-         "default, the loss in 8 chunks", 35, first=True),
+         "default, the loss in chunks of 8,192 positions", 35, first=True),
     Part("finetune-qlora", ("--recipe", "finetune_lm", "--configs", EAGER, "--steps", "20",
                             "--recipe-args", f"{FINETUNE} {LORA} --load-in-4bit --packing"),
          "LoRA r 16 on the 4-bit (NF4) base (bitsandbytes, from .gpu/w): peak memory and tokens/s against "
          "finetune-lora's eager run", 45, first=True),
+    *attention_parts(),
     Part("gpt", ("--recipe", "gpt", "--preset", "124M", "--configs", *FULL, "--steps", "60"),
          "GPT-124M: throughput, MFU, recipe / lean loop (goal compiled), compile speed-up", 70, 70, 12),
     Part("mnist", ("--recipe", "mnist", "--configs", *FULL, "--no-baselines", "--steps", "200", "--batch-size", "512"),
@@ -115,7 +154,7 @@ PARTS = [
 PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
 # Issue "Fine-tune at H100 speed": the 1B Llama shape, built here with random weights (no download).
 LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "max_position_embeddings": 2048, "tie_word_embeddings": True}
+            "num_key_value_heads": 8, "max_position_embeddings": 8192, "tie_word_embeddings": True}  # issue 55: 8k
 CHATS = 2000  # conversations in chats.jsonl: a few hundred thousand tokens, more than 23 steps of 8 x 1024 use
 WARM_STEPS = 3  # optimizer steps of a warm-up run: the first compiles the training graph, the end evaluates
 WARM_AT_ONCE = 2  # warm-ups at a time: dynamo's tracing is one Python thread each; inductor's workers share cores
@@ -403,7 +442,28 @@ def finetune_lines(by):
         f"{shown(ratio(by, (zero3, 'deepspeed_zero3.yaml'), (lora, EAGER)), 0.8)}",
         f"- fine-tune, compile speed-up (1gpu_compile.yaml / 1gpu.yaml): full "
         f"{shown(ratio(by, (full, COMPILED), (full, EAGER)))}, "
-        f"LoRA {shown(ratio(by, (lora, COMPILED), (lora, EAGER)))}"]
+        f"LoRA {shown(ratio(by, (lora, COMPILED), (lora, EAGER)))}", *attention_lines(by)]
+
+
+def attention_lines(by):
+    """Issue 55's comparisons, each with its goal: flex packed against padded and dense packed at each block."""
+    lines = []
+    for block in BLOCKS:
+        flex, dense, padded = ((f"finetune-{form}-{block}", COMPILED) for form in ATTENTION_FORMS)
+        if not any(key in by for key in (flex, dense, padded)):
+            continue
+        memory = "" if block != max(BLOCKS) else (
+            f"; peak memory dense / flex {shown(ratio(by, dense, flex, 'peak_memory_mb'), ATTENTION_GOALS['memory'])}"
+            " (flex below dense: above 1)")
+        lines.append(f"- fine-tune at {block} tokens, compiled, real tokens/s: flex packed / padded "
+                     f"{shown(ratio(by, flex, padded), ATTENTION_GOALS['padded'])}, flex / dense packed "
+                     f"{shown(ratio(by, flex, dense), ATTENTION_GOALS['dense'])}{memory}")
+    tokens, counted = ((f"finetune-{name}-{max(BLOCKS)}", EAGER) for name in ("chunk-tokens", "chunks-8"))
+    if tokens in by or counted in by:
+        lines.append(f"- fine-tune at {max(BLOCKS)} tokens, eager, loss chunks of 8192 tokens / 8 chunks (real "
+                     f"tokens/s): {shown(ratio(by, tokens, counted), ATTENTION_GOALS['chunks'])}; peak memory "
+                     f"8 chunks / token chunks {shown(ratio(by, counted, tokens, 'peak_memory_mb'))}")
+    return lines
 
 
 def table_rows(reports):
@@ -554,6 +614,8 @@ def plan_lines(parts, budget_s):
             at += part.expected_s
             reach = "" if at <= budget_s else "; beyond the budget by the estimates: runs if those before end sooner"
             lines.append(f"  {label:<44} ~{part.expected_s:>3.0f} s  (until {at:.0f} s{reach})")
+            if part.goal:
+                lines.append(f"  {'':<44} goal: {part.goal}")
     return lines
 
 

@@ -41,8 +41,10 @@ QLoRA (--load-in-4bit, with --lora-r; finetune/qlora.py): the base's linear laye
 stored in the compute dtype so that FSDP2 and ZeRO-3 shard them (checked after prepare(); the first line says what
 each process holds); --merge-lora writes the base dequantised with the adapters merged in, a plain model.
 The default OUTPUT_DIR is runs/finetune_lm/<how it runs>, with -lora-r<R> for LoRA (-qlora-r<R>) and -padded for
---no-packing. The loss goes through the output layer in --loss-chunks chunks (default 8; chunked_loss.py), the
-positions outside it dropped first: the [tokens x vocabulary] logits never exist whole. Under
+--no-packing. The loss goes through the output layer in chunks of at most --loss-chunk-tokens loss positions (default
+8,192; --loss-chunks N instead: N chunks; chunked_loss.py), the positions outside it dropped first: the [tokens x
+vocabulary] logits never exist whole. --attention (finetune/attention.py): packed blocks on CUDA run FlexAttention
+with a block mask (auto), everything else SDPA with the dense block-diagonal mask or none. Under
 deepspeed_zero3_sp2.yaml two processes share each sequence (Ulysses; accelrun/finetune/ulysses.py, --no-packing).
 
 Memory on 2x80 GB (docs/recipes.md: the table, from parameter counts; 4k tokens per GPU): a full AdamW
@@ -65,9 +67,10 @@ import sys
 from datetime import timedelta
 
 from accelrun import add_run_args
+from accelrun.finetune.attention import add_attention_args, flag_problem
 from accelrun.finetune.examples import add_data_args
 from accelrun.finetune.lora import add_lora_args, flags_without_rank
-from accelrun.finetune.loss_flags import add_loss_args
+from accelrun.finetune.loss_flags import add_loss_args, loss_chunking_problem
 from accelrun.finetune.qlora import add_qlora_args, without_lora
 from accelrun.flags import DefaultOnce
 
@@ -92,7 +95,8 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (0: no clipping)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
-    add_loss_args(p)  # --loss-chunks (accelrun/finetune/loss_flags.py, chunked_loss.py)
+    add_loss_args(p)  # --loss-chunk-tokens or --loss-chunks (accelrun/finetune/loss_flags.py, chunked_loss.py)
+    add_attention_args(p)  # --attention: what keeps packed examples apart (accelrun/finetune/attention.py)
     add_lora_args(p)  # --lora-r and the adapters' settings (finetune/lora.py); OUTPUT_DIR gets -lora-r<R>
     add_qlora_args(p)  # --load-in-4bit: QLoRA, the frozen base in 4 bits (finetune/qlora.py)
     p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
@@ -111,7 +115,8 @@ def parse_args(argv=None):
                         "tokenises) before the run fails")
     add_run_args(p, "finetune_lm", log_every=10)
     args = p.parse_args(argv)
-    if problem := flags_without_rank(args, sys.argv[1:] if argv is None else argv) or without_lora(args):
+    if problem := (flags_without_rank(args, sys.argv[1:] if argv is None else argv) or without_lora(args)
+                   or loss_chunking_problem(args) or flag_problem(args)):
         p.error(problem)  # decided from the flags alone: before anything is imported or loaded
     return args
 
@@ -133,9 +138,11 @@ from torch.utils.data import DataLoader
 
 from accelrun import Run
 from accelrun.engines import run_label
+from accelrun.finetune.attention import block_mask, choose, device_problem, register
 from accelrun.finetune.chunked_loss import install, token_losses, with_loss_count
 from accelrun.finetune.examples import IGNORE, DataProblem, cut_note, load_examples
 from accelrun.finetune.export import export
+from accelrun.finetune.loss_flags import loss_chunking
 from accelrun.finetune.packing import attention_implementation, block_causal_mask, blocks_note
 from accelrun.finetune.pretrained import load_config_and_tokenizer, load_model, zero3_lora_note
 from accelrun.finetune.qlora import checked_base, dequantized_base
@@ -193,23 +200,25 @@ def flops_per_token(config, n_params, trained, args, span):
     return matmul + 12 * config.num_hidden_layers * config.hidden_size * span
 
 
-def forward_losses(model, batch, given_mask, head):
+def forward_losses(model, batch, mask, head):
     """The forward and the loss: each sequence's summed next-token loss over its positions whose target is not
     IGNORE, and how many it has (fp32, as Hugging Face computes it). head: the output layer computing the loss in
     chunks (accelrun.finetune.chunked_loss), or None for the plain loss. Under sequence parallelism a batch is this
     rank's slice of each sequence, with its targets (accelrun.finetune.ulysses)."""
-    return token_losses(model, model_inputs(batch, given_mask), loss_targets(batch), head, host_count(batch))
+    return token_losses(model, model_inputs(batch, mask), loss_targets(batch), head, host_count(batch))
 
 
-def model_inputs(batch, given_mask):
+def model_inputs(batch, mask):
     """What the model is given for a batch of blocks: the tokens; for packed blocks also their positions, which
-    restart at 0 in each example, and (given_mask) the block-diagonal causal mask that keeps each example to
-    itself (finetune/packing.py). Padded blocks and text: the tokens alone, and causal attention."""
+    restart at 0 in each example, and (mask) what keeps each example to itself, made from those positions on the
+    device: the dense block-diagonal causal mask (packing.block_causal_mask, for SDPA) or the BlockMask
+    (attention.block_mask, for flex); None: the model's own masks. Padded blocks and text: the tokens alone, and
+    causal attention."""
     inputs = {"input_ids": batch["input_ids"]}
     if "position_ids" in batch:
         inputs["position_ids"] = batch["position_ids"]
-        if given_mask:
-            inputs["attention_mask"] = block_causal_mask(batch["position_ids"])
+        if mask is not None:
+            inputs["attention_mask"] = mask(batch["position_ids"])
     return inputs
 
 
@@ -224,14 +233,14 @@ def with_step_tokens(batches, accelerator, grad_accum):
             yield batch, tokens
 
 
-def evaluate(model, loader, accelerator, given_mask, head):
+def evaluate(model, loader, accelerator, mask, head):
     """Mean next-token loss per loss token over the held-out examples in the loader: the training loss's
     definition."""
     model.eval()
     total = count = 0
     with torch.no_grad():
         for batch in loader:
-            losses, tokens = forward_losses(model, batch, given_mask, head)
+            losses, tokens = forward_losses(model, batch, mask, head)
             # accelerate: drops the examples repeated to fill the last batch
             losses, tokens = accelerator.gather_for_metrics((losses, tokens))
             total, count = total + losses.sum(), count + tokens.sum()
@@ -280,18 +289,18 @@ def main(argv=None):
     set_seed(args.seed)
     if error:
         run.fail(error)
+    if problem := device_problem(args, accelerator.device.type):  # --attention flex without CUDA: before any loading
+        run.fail(problem)
     check_block_size(args, config, run)
     sp = SequenceParallel.of(accelerator)  # Ulysses: each sequence split over a group of processes (or off)
     check_sequence_parallel(sp, args, config, accelerator, run)
     run.check_whole_model_fits(n_params)  # ZeRO-3 without zero3_init_flag loads it whole on every process
     data = load_data(args, run, accelerator, tokenizer)
-    if sp.on and data.facts["packing"]:
-        run.fail(sp.packing_problem())
-    # None: the model builds its own masks; under sequence parallelism the attention Ulysses wraps (no mask)
-    attention = sp.attention if sp.on else attention_implementation(config, args.block_size)
+    kind, attention, mask = attention_for(args, config, accelerator, data, sp, run)  # flex or sdpa, refused or not
     model, dtype = load_model(args, run, accelerator.mixed_precision, attention)
     compiled = accelerator.state.dynamo_plugin.backend.value != "NO"  # *_compile.yaml: one graph, the plain loss
-    head = install(model, args.loss_chunks, compiled)  # the loss in chunks through the output layer, or None
+    chunks, chunk_tokens = loss_chunking(args)  # --loss-chunks N, or chunks of --loss-chunk-tokens loss positions
+    head = install(model, chunks, compiled, chunk_tokens)  # the loss in chunks through the output layer, or None
     zero3_lora_note(args, run, accelerator, n_params, dtype)
     # LoRA's checkpoints and adapter hold no base weights: they go with the base they adapt (checkpoint/rules.py)
     base = {"base_weights": base_fingerprint(args.model)} if args.lora_r else {}
@@ -313,16 +322,17 @@ def main(argv=None):
     scheduler = warmup_cosine(optimizer, args)
     model, optimizer, train_loader, val_loader, scheduler = prepare(
         accelerator, sp, micro, model, optimizer, train_loader, val_loader, scheduler)
-    given_mask, facts = attention is not None and not sp.on, data.facts
+    facts = data.facts
     four_bit = checked_base(args, model, accelerator, run)  # QLoRA: what each process holds of the 4-bit base
     # tokens/s and MFU count real tokens: a block's mean of them, not its positions
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=args.max_steps,
               units_per_sample=facts["real_tokens_per_block"], peak_tflops=args.peak_tflops,
               flops_per_unit=flops_per_token(config, n_params, trained, args, facts["attention_span"]),
-              eval_every=args.eval_every, evaluate=lambda: evaluate(model, val_loader, accelerator, given_mask, head),
+              eval_every=args.eval_every, evaluate=lambda: evaluate(model, val_loader, accelerator, mask, head),
               describe=f"{args.model}: {n_params / 1e6:.3g} M parameters{four_bit} | {data.format}: {data.source}, "
                        f"{blocks_note(facts, data.format, args.block_size)}, {100 * facts['loss_positions_share']:.0f}%"
-                       f" of positions in the loss{cut_note(data.cuts, data.format, args.block_size)}",
+                       f" of positions in the loss{cut_note(data.cuts, data.format, args.block_size)}"
+                       f"{', flex attention' if kind == 'flex' else ''}",
               data_facts={"source": data.source, "data_format": data.format, "train_examples": facts["train_examples"],
                           **base})
 
@@ -335,7 +345,7 @@ def main(argv=None):
     for batches in run.epochs(train_loader):  # resumes mid-epoch; checkpoints at each epoch's end
         for batch, step_tokens in with_step_tokens(map(sp.shard, batches), accelerator, args.grad_accum):
             with accelerator.accumulate(model):  # accelerate
-                losses, _ = forward_losses(model, batch, given_mask, head)
+                losses, _ = forward_losses(model, batch, mask, head)
                 loss = losses.sum() * undo_means / step_tokens
                 accelerator.backward(loss)  # accelerate
                 if accelerator.sync_gradients and args.max_grad_norm > 0:  # accelerate
@@ -345,10 +355,27 @@ def main(argv=None):
                 optimizer.zero_grad()
             if run.step(loss):  # a stop signal, or the last step
                 break
-    return finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base)
+    return finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base, kind)
 
 
-def finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base):
+def attention_for(args, config, accelerator, data, sp, run):
+    """(--attention's choice, flex or sdpa; the attn_implementation to load the model with; the mask model_inputs
+    makes for a packed batch), once the data says whether blocks are packed; a run flex or Ulysses cannot train is
+    refused here in one line, before the model loads. flex: attention.FLEX and its BlockMask; sdpa:
+    packing.GIVEN_MASK and the dense block-diagonal mask, or None and the model's own masks where it builds them (a
+    sliding window); under sequence parallelism the attention Ulysses wraps, and no mask."""
+    kind, problem = choose(args, config, accelerator.device.type, data.facts["packing"], sp.on)
+    if problem or (sp.on and data.facts["packing"]):
+        run.fail(problem or sp.packing_problem())
+    if sp.on:
+        return kind, sp.attention, None
+    if kind == "flex":
+        return kind, register(), block_mask
+    attention = attention_implementation(config, args.block_size)
+    return kind, attention, block_causal_mask if attention is not None else None
+
+
+def finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base, kind):
     """The greedy answer to a held-out prompt, then run.finish: the export and the summary (with the data's facts)."""
     sample, dequantized = {}, {}
     if args.sample_tokens and not run.stopping:
@@ -361,6 +388,7 @@ def finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base)
     return run.finish(model, export=functools.partial(export, model=model, accelerator=accelerator,
                                                       tokenizer=tokenizer, args=args, output_dir=run.output_dir,
                                                       base_weights=base.get("base_weights"), dequantized=dequantized),
+                      attention=kind,
                       exported_dtype=args.save_dtype, base_model=args.model, data_format=data.format,
                       data_source=data.source, block_size=args.block_size,
                       gradient_checkpointing=args.gradient_checkpointing, **data.facts, **lora, **sample, **data.cuts)

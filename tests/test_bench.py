@@ -270,8 +270,10 @@ def gpu_table_modules():
 
 
 INPUTS = {"images": "/in/images", "llama": "/in/llama", "chats": "/in/chats.jsonl"}
+LONG_PARTS = [f"finetune-{form}-{block}" for block in (4096, 8192) for form in ("flex", "dense", "padded")]
 TABLE = ["finetune-full", "finetune-lora", "finetune-padded", "finetune-lora-zero3", "finetune-chunked-loss",
-         "finetune-qlora", "gpt", "mnist", "resnet", "zero2-overlap", "fsdp-units"]
+         "finetune-qlora", *LONG_PARTS, "finetune-chunk-tokens-8192", "finetune-chunks-8-8192",  # issue 55
+         "gpt", "mnist", "resnet", "zero2-overlap", "fsdp-units"]
 
 
 def test_gpu_table_plans_every_comparison(tmp_path):
@@ -361,7 +363,8 @@ def test_gpu_table_warms_each_compiled_run_with_its_own_command(tmp_path, monkey
     warms = gpu_table.warm_plan(commands, gpu_table.PARTS, tmp_path, threads=16, cores=16)
     compiled = ["1gpu_compile.yaml", "lean loop (compiled)"]
     assert [(w.part, w.name) for w in warms] == [("finetune-full", compiled[0]), ("finetune-lora", compiled[0])] + [
-        ("gpt", c) for c in compiled] + [("mnist", c) for c in compiled] + [("resnet", compiled[0])]
+        (part, compiled[0]) for part in LONG_PARTS] + [("gpt", c) for c in compiled] + [
+        ("mnist", c) for c in compiled] + [("resnet", compiled[0])]
     steps = {"--max-steps", "--eval-every", "--epochs", "--steps", "--warmup-steps", "--main_process_port"}
 
     def without_steps(cmd):  # the flags that count steps (and the launch's free port) taken out with their values

@@ -331,11 +331,13 @@ def test_compiled_attention_is_causal_without_a_mask_where_nothing_is_packed(fin
 
 
 def per_position_losses(model, block, given_mask):
-    """The next-token loss at each position of one block, from what the recipe gives the model."""
+    """The next-token loss at each position of one block, from what the recipe gives the model (given_mask: the
+    dense block-diagonal mask, else the model's own)."""
+    from accelrun.finetune.packing import block_causal_mask
     from finetune_lm import model_inputs
     batch = {k: torch.tensor([v]) for k, v in block.items() if k in ("input_ids", "labels", "position_ids")}
     with torch.no_grad():
-        logits = model(**model_inputs(batch, given_mask)).logits[0, :-1]
+        logits = model(**model_inputs(batch, block_causal_mask if given_mask else None)).logits[0, :-1]
     return F.cross_entropy(logits, batch["input_ids"][0, 1:], reduction="none")
 
 
@@ -472,6 +474,27 @@ def test_packed_and_padded_give_the_same_loss(finetune, hf, case):
     evals = [[json.loads(line)["val_loss"] for line in (run.out_dir / "eval.jsonl").read_text().splitlines()]
              for run in (padded, packed)]
     assert len(evals[0]) == 3 and evals[1] == pytest.approx(evals[0], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_token_chunks_train_to_the_plain_losss_validation_loss(hf, tmp_path):
+    """Issue 55's done-when: --loss-chunk-tokens 64 (chunks of at most 64 of a micro-batch's several hundred loss
+    positions, the last one shorter) trains step by step to the losses and the validation losses of --loss-chunks 1,
+    the plain loss, to 1e-5 relative. Both in this process (in_process.run_main): no launch is added."""
+    from in_process import run_main
+    runs = {}
+    for flags in (("--loss-chunks", "1"), ("--loss-chunk-tokens", "64")):
+        out = tmp_path / flags[0].strip("-")
+        code, output = run_main("finetune_lm", [*finetune_args(hf), *flags, "--output-dir", out], timeout=300)
+        assert code == 0, output[-3000:]
+        runs[flags[0]] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert json.loads((out / "summary.json").read_text())["attention"] == "sdpa"  # auto on a CPU: today's path
+    plain, tokens = runs["--loss-chunks"], runs["--loss-chunk-tokens"]
+    assert [m["step"] for m in tokens if "loss" in m] == list(range(1, STEPS + 1))
+    evals = [[m["val_loss"] for m in run if "val_loss" in m] for run in (plain, tokens)]
+    assert len(evals[0]) == 2 and evals[1] == pytest.approx(evals[0], rel=1e-5)
+    losses = [[m["loss"] for m in run if "loss" in m] for run in (plain, tokens)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5) and losses[0][-1] < losses[0][0]
 
 
 def test_help_gives_each_default_once(capsys):

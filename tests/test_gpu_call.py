@@ -191,7 +191,9 @@ def test_parts_run_the_fine_tunes_first():
     """PARTS: the fine-tune parts (and the places of those to come) before everything the first contact measured."""
     first = [p.folder for p in gpu_table.PARTS if p.first]
     assert first == ["finetune-full", "finetune-lora", "finetune-padded", "finetune-lora-zero3",
-                     "finetune-chunked-loss", "finetune-qlora"]
+                     "finetune-chunked-loss", "finetune-qlora", "finetune-flex-4096", "finetune-dense-4096",
+                     "finetune-padded-4096", "finetune-flex-8192", "finetune-dense-8192", "finetune-padded-8192",
+                     "finetune-chunk-tokens-8192", "finetune-chunks-8-8192"]
     assert [p.folder for p in gpu_table.PARTS][:len(first)] == first
     assert [name for name, _ in gpu_table.stages(gpu_table.selected(["mnist", "finetune-padded"]))] == \
         ["fine-tune", "the rest"]
@@ -202,6 +204,38 @@ def test_parts_run_the_fine_tunes_first():
     # a compiled run whose warm-up did not end is left out of its part's command
     argv = gpu_table.part_argv(parts["finetune-full"], 989.0, {}, 1, leave_out=("1gpu_compile.yaml",))
     assert argv[argv.index("--configs") + 1:argv.index("--steps")] == ["1gpu.yaml"]
+
+
+def test_issue_55s_comparisons_each_show_their_goal():
+    """table.md's lines for the attention parts: flex packed against padded (goal 1.8x) and dense packed (1.3x) at
+    each block, flex's peak memory below dense's at 8,192, token chunks against 8 chunks; a ratio not measured says
+    so; each part runs the recipe's flags it names (finetune_lm.py's parser takes them)."""
+    import shlex
+    sys.path.insert(0, str(REPO / "recipes"))
+    from finetune_lm import parse_args
+
+    def row(throughput, peak):
+        return {"throughput": throughput, "peak_memory_mb_per_rank": [peak]}
+    c, e = gpu_table.COMPILED, gpu_table.EAGER
+    by = {("finetune-flex-4096", c): row(90.0, 30.0), ("finetune-dense-4096", c): row(60.0, 31.0),
+          ("finetune-padded-4096", c): row(40.0, 29.0), ("finetune-flex-8192", c): row(100.0, 30.0),
+          ("finetune-dense-8192", c): row(90.0, 40.0), ("finetune-chunk-tokens-8192", e): row(50.0, 20.0)}
+    lines = gpu_table.attention_lines(by)
+    assert lines == [
+        "- fine-tune at 4096 tokens, compiled, real tokens/s: flex packed / padded 2.250 (goal >= 1.8: met), "
+        "flex / dense packed 1.500 (goal >= 1.3: met)",
+        "- fine-tune at 8192 tokens, compiled, real tokens/s: flex packed / padded - (goal >= 1.8: not measured), "
+        "flex / dense packed 1.111 (goal >= 1.3: NOT met); peak memory dense / flex 1.333 (goal >= 1: met) (flex "
+        "below dense: above 1)",
+        "- fine-tune at 8192 tokens, eager, loss chunks of 8192 tokens / 8 chunks (real tokens/s): - (goal >= 1: not "
+        "measured); peak memory 8 chunks / token chunks -"], lines
+    assert gpu_table.attention_lines({}) == []
+    for part in gpu_table.attention_parts():
+        flags = shlex.split(part.args[part.args.index("--recipe-args") + 1].format(llama="m", chats="d"))
+        args = parse_args(flags)
+        assert args.block_size in gpu_table.BLOCKS and args.batch_size * args.block_size == 8192, part.folder
+        assert args.attention == ("sdpa" if "dense" in part.folder or "padded" in part.folder else "flex"), part
+        assert args.packing == ("padded" not in part.folder), part.folder
 
 
 STAND_IN = """
@@ -303,6 +337,14 @@ def test_one_command_dry_run_without_cuda_shows_the_plan_the_budget_and_the_orde
     assert at == sorted(at), list(zip(order, at))
     assert "not built yet" not in output  # every part has its recipe's flags now (QLoRA's came last)
     assert "beyond the budget by the estimates" in output  # 300 s reaches the fine-tunes, not the rest
+    # issue 55's parts with their goals, each under the part it judges
+    goals = {"finetune-flex-4096": "goal: flex / padded >= 1.8x and flex / dense >= 1.3x real tokens/s\n",
+             "finetune-flex-8192": "goal: flex / padded >= 1.8x and flex / dense >= 1.3x real tokens/s; flex's peak "
+                                   "memory below dense's\n",
+             "finetune-chunk-tokens-8192": "goal: token chunks / 8 chunks >= 1 real tokens/s (no slower)\n"}
+    for part, goal in goals.items():
+        after = output[output.index(f". {part} "):]
+        assert after.split("\n", 2)[1].endswith(goal.strip()), after[:400]
     code, output = run_command(["bash", "gpu_check/run.sh", "--budget-s", "300", "--out", str(tmp_path / "o")],
                                env=NO_CUDA, timeout=120)
     assert code == 2 and output.strip().splitlines() == [

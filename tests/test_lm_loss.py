@@ -99,3 +99,54 @@ def test_the_plain_loss_stays_where_the_model_changes_its_logits(model):
                                            final_logit_softcapping=30.0))
     assert install(gemma, 8) is None and not chunked.plain_head(gemma)
     assert chunked.plain_head(model)
+
+
+# Issue 55, item 6: chunk sizes that do not divide the batch's 48 loss positions, so that rows and targets cut at
+# other places than each other (tensor_split for chunk or split) change what each chunk holds and are seen here.
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 13, 47, 48, 8192])
+def test_token_chunks_equal_the_plain_loss_and_its_gradients(model, chunk_tokens):
+    """--loss-chunk-tokens N: chunks of at most N loss positions, the last one what is left; the losses and the
+    gradients of the plain loss, as for the count form."""
+    b = batch()
+    plain, plain_tokens, plain_grads = losses_and_grads(model, b, None, None)
+    copied = copy.deepcopy(model)
+    head = install(copied, 1, chunk_tokens=chunk_tokens)
+    assert head is copied.lm_head  # the token form installs even where one chunk holds the whole batch
+    ours, tokens, grads = losses_and_grads(copied, b, head, b["loss_count"])
+    assert torch.equal(tokens, plain_tokens)
+    assert torch.allclose(ours, plain, rtol=1e-6, atol=0), (ours, plain)
+    for name, grad in grads.items():
+        worst = (grad - plain_grads[name]).abs().max() / plain_grads[name].abs().max()
+        assert worst < 1e-5, (name, float(worst))
+
+
+@pytest.mark.parametrize(("form", "sizes"), [((5, None), [10, 10, 10, 10, 8]), ((7, None), [7, 7, 7, 7, 7, 7, 6]),
+                                             ((1, 7), [7, 7, 7, 7, 7, 7, 6]), ((1, 10), [10, 10, 10, 10, 8]),
+                                             ((1, 13), [13, 13, 13, 9]), ((1, 48), [48]), ((1, 100), [48])])
+def test_each_chunk_holds_what_its_form_says(model, monkeypatch, form, sizes):
+    """The rows each chunk takes, 48 loss positions cut unevenly: the count form's N chunks are torch's chunk()
+    (ceil(48 / N) each, the last what is left: tensor_split's [10, 10, 10, 9, 9] for 5 is another cut), the token
+    form's are at most N positions each, in order."""
+    b, rows = batch(), []
+    real = chunked._chunk_losses
+
+    def watched(hidden, targets, weight, bias):
+        assert hidden.shape[0] == targets.shape[0]  # a chunk's rows and its targets cut at the same places
+        rows.append(hidden.shape[0])
+        return real(hidden, targets, weight, bias)
+    monkeypatch.setattr(chunked, "_chunk_losses", watched)
+    copied = copy.deepcopy(model)
+    head = install(copied, form[0], chunk_tokens=form[1])
+    with torch.no_grad():
+        token_losses(copied, {"input_ids": b["input_ids"]}, targets_of(b), head, b["loss_count"])
+    assert rows == sizes
+
+
+def test_the_loss_position_count_leaves_out_each_rows_first_label():
+    """with_loss_count: a row's first label is never a loss position (no token before it to predict it), so the
+    count is that of labels[:, 1:]; rows whose first label is in the loss (plain text) show the difference."""
+    ids = torch.arange(2 * 10).reshape(2, 10)
+    labels = ids.clone()
+    labels[1, 6:] = IGNORE  # one row ends in padding
+    b = with_loss_count([{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels)])
+    assert b["loss_count"] == 9 + 5 == int((chunked.next_token_targets(b["labels"]) != IGNORE).sum())

@@ -15,12 +15,15 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 def test_the_parts_of_an_8b_full_fine_tune_at_32k_tokens():
     """The issue's figures: 8B model states 64.2 GB per GPU under FSDP2 on 2 GPUs, logits 42.0 GB at 32k tokens
-    (10 bytes x 128k vocabulary per token) without chunks; 8 chunks hold an eighth; two GPUs on one sequence halve
-    every activation."""
+    (10 bytes x 128k vocabulary per token) without chunks; 8 chunks hold an eighth; the default token form
+    (--loss-chunk-tokens 8192, issue 55) one chunk of 8,192 positions; two GPUs on one sequence halve every
+    activation."""
     whole = lm_memory.job_parts("Llama-3.1-8B", "full", 32768, chunks=1)
     assert whole["model states"] == pytest.approx(64.2, abs=0.05) and whole["logits"] == pytest.approx(42.0, abs=0.05)
-    chunked = lm_memory.job_parts("Llama-3.1-8B", "full", 32768)
+    chunked = lm_memory.job_parts("Llama-3.1-8B", "full", 32768, chunks=8)
     assert chunked["logits"] == pytest.approx(whole["logits"] / 8)
+    assert lm_memory.job_parts("Llama-3.1-8B", "full", 32768)["logits"] == pytest.approx(whole["logits"] / 4)
+    assert lm_memory.job_parts("Llama-3.1-8B", "full", 4096)["logits"] == pytest.approx(whole["logits"] / 8)
     split = lm_memory.job_parts("Llama-3.1-8B", "full", 32768, sp=2)
     assert split["activations"] == pytest.approx(chunked["activations"] / 2)
     assert split["model states"] == chunked["model states"]
@@ -53,7 +56,7 @@ def test_each_cell_copied_as_printed_runs_what_was_planned():
         for job in lm_memory.JOBS:
             row = next(line for line in table.splitlines() if line.startswith(f"| {size} {job} |"))
             for length, cell in zip(lm_memory.LENGTHS, row.strip("| ").split(" | ")[1:]):
-                key, parts = lm_memory.job_plan(size, job, length)
+                key, parts, chunk_tokens = lm_memory.job_plan(size, job, length)
                 if key is None:
                     assert cell.startswith("**no**"), cell
                     continue
@@ -64,6 +67,9 @@ def test_each_cell_copied_as_printed_runs_what_was_planned():
                 assert args.block_size == length and args.gradient_checkpointing, cell
                 assert args.lora_r == (0 if job == "full" else lm_memory.LORA_R), cell
                 assert args.load_in_4bit == (job == "QLoRA"), cell
-                assert args.loss_chunks == 8 and args.packing == (key == "fsdp"), cell
+                assert args.loss_chunks is None, cell  # the token form: the default, or the smaller chunks planned
+                assert args.loss_chunk_tokens == (None if chunk_tokens == lm_memory.DEFAULT_CHUNK_TOKENS
+                                                  else chunk_tokens), cell
+                assert args.packing == (key == "fsdp"), cell
                 cells += 1
     assert cells == 25  # 8B 9, 14B 6, 32B 6, 70B 4

@@ -2,11 +2,13 @@
 
 Owns finetune_lm.py's loss (token_losses): each sequence's summed loss over the positions whose target is not
 IGNORE, and how many such positions it has. With --loss-chunks 1 it is the plain loss: the model's logits for every
-position, cast to fp32 and given to cross_entropy. With N > 1 (install): the positions whose target is IGNORE are
-dropped before the output layer, and the rest go through it N chunks at a time, each chunk's logits cast to fp32,
-given to cross_entropy and freed; in backward each chunk's logits are computed again (torch.utils.checkpoint), so
-forward and backward hold one chunk's logits (and their gradient) at a time. The same operations on the same rows
-as the plain loss: the losses and the gradients agree with it to float rounding (tests/test_lm_loss.py).
+position, cast to fp32 and given to cross_entropy. Chunked (install): the positions whose target is IGNORE are
+dropped before the output layer, and the rest go through it in chunks of at most --loss-chunk-tokens positions
+(default 8,192; the last chunk holds what is left), or with --loss-chunks N in N chunks; each chunk's logits cast
+to fp32, given to cross_entropy and freed; in backward each chunk's logits are computed again
+(torch.utils.checkpoint), so forward and backward hold one chunk's logits (and their gradient) at a time. The same
+operations on the same rows as the plain loss: the losses and the gradients agree with it to float rounding
+(tests/test_lm_loss.py).
 
 How the output layer gets the targets: the model's forward calls its output layer (lm_head) with the last hidden
 states, and nothing else. install() gives that one module a forward of its own, which takes the targets the loss
@@ -63,15 +65,16 @@ def plain_head(model):
     return bool(PLAIN_HEAD.search(source)) and isinstance(getattr(base, "lm_head", None), torch.nn.Linear)
 
 
-def install(model, chunks, compiled=False):
-    """Give the model's output layer the chunked loss (see the module's docstring); returns that layer, or None
-    where the plain loss stays: chunks 1, not plain_head, or compiled (the *_compile.yaml configs compile the model
-    as one graph, fullgraph, and the kept positions' count, different in each batch, would break it). Call before
+def install(model, chunks, compiled=False, chunk_tokens=None):
+    """Give the model's output layer the chunked loss (see the module's docstring): chunks of at most chunk_tokens
+    loss positions, or (chunk_tokens None) `chunks` chunks. Returns that layer, or None where the plain loss stays:
+    chunks 1 without chunk_tokens, not plain_head, or compiled (the *_compile.yaml configs compile the model as one
+    graph, fullgraph, and the kept positions' count, different in each batch, would break it). Call before
     prepare()."""
-    if chunks <= 1 or compiled or not plain_head(model):
+    if (chunks <= 1 and not chunk_tokens) or compiled or not plain_head(model):
         return None
     head = model.get_output_embeddings()
-    head.loss_chunks = chunks
+    head.loss_chunks, head.loss_chunk_tokens = chunks, chunk_tokens
     head.forward = types.MethodType(_head_forward, head)
     return head
 
@@ -104,8 +107,11 @@ def _head_forward(head, hidden):
         return F.linear(hidden, head.weight, head.bias)
     index, targets = job
     rows = hidden.flatten(0, 1).index_select(0, index)  # the positions in the loss, before the output layer
-    parts = [checkpoint(_chunk_losses, h, t, head.weight, head.bias, use_reentrant=False)
-             for h, t in zip(rows.chunk(head.loss_chunks), targets.chunk(head.loss_chunks))]
+    if head.loss_chunk_tokens:  # at most that many rows each (split's sizes come from the shape: no host wait)
+        pieces = zip(rows.split(head.loss_chunk_tokens), targets.split(head.loss_chunk_tokens))
+    else:
+        pieces = zip(rows.chunk(head.loss_chunks), targets.chunk(head.loss_chunks))
+    parts = [checkpoint(_chunk_losses, h, t, head.weight, head.bias, use_reentrant=False) for h, t in pieces]
     return torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.float32)
 
 
