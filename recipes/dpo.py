@@ -45,7 +45,7 @@ from datetime import timedelta
 
 from accelrun import add_run_args
 from accelrun.finetune.lora import add_lora_args, flags_without_rank
-from accelrun.finetune.loss_flags import add_loss_args
+from accelrun.finetune.loss_flags import add_loss_args, loss_chunking_problem
 from accelrun.finetune.preference import add_preference_data_args
 from accelrun.finetune.qlora import add_qlora_args, without_lora
 from accelrun.flags import DefaultOnce
@@ -76,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (0: no clipping)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
-    add_loss_args(p)  # --loss-chunks (accelrun/finetune/loss_flags.py, chunked_loss.py)
+    add_loss_args(p)  # --loss-chunk-tokens, --loss-chunks (accelrun/finetune/loss_flags.py, chunked_loss.py)
     add_lora_args(p)  # --lora-r and the adapters' settings (finetune/lora.py); OUTPUT_DIR gets -lora-r<R>
     add_qlora_args(p)  # --load-in-4bit: QLoRA, the frozen base in 4 bits (finetune/qlora.py)
     p.add_argument("--eval-every", type=int, default=50,
@@ -90,7 +90,8 @@ def parse_args(argv=None):
                    help="seconds a collective waits for a missing rank before the run fails")
     add_run_args(p, "dpo", log_every=10)
     args = p.parse_args(argv)
-    if problem := flags_without_rank(args, sys.argv[1:] if argv is None else argv) or without_lora(args):
+    if problem := (flags_without_rank(args, sys.argv[1:] if argv is None else argv) or without_lora(args)
+                   or loss_chunking_problem(args)):
         p.error(problem)  # decided from the flags alone: before anything is imported or loaded
     return args
 
@@ -108,6 +109,7 @@ from accelrun.engines import run_label
 from accelrun.finetune.chunked_loss import install
 from accelrun.finetune.examples import DataProblem
 from accelrun.finetune.export import export
+from accelrun.finetune.loss_flags import loss_chunking
 from accelrun.finetune.packing import attention_implementation
 from accelrun.finetune.preference import (
     StepRewards,
@@ -204,7 +206,8 @@ def main(argv=None):
     data = load_data(args, run, accelerator, tokenizer)
     attention = attention_implementation(config, args.block_size)
     model, dtype = load_model(args, run, accelerator.mixed_precision, attention)
-    head = install(model, args.loss_chunks, accelerator.state.dynamo_plugin.backend.value != "NO")
+    chunks, chunk_tokens = loss_chunking(args)  # --loss-chunks N, or chunks of --loss-chunk-tokens loss positions
+    head = install(model, chunks, accelerator.state.dynamo_plugin.backend.value != "NO", chunk_tokens)
     base = {"base_weights": base_fingerprint(args.model)} if args.lora_r else {}
     trainable = [p for p in model.parameters() if p.requires_grad]
     trained = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
