@@ -201,11 +201,12 @@ def main(argv=None):
     set_seed(args.seed)
     if error:
         run.fail(error)
-    check_block_size(args, config, run)
+    check_block_size(args, config, run.fail)
     run.check_whole_model_fits(n_params)
     data = load_data(args, run, accelerator, tokenizer)
     attention = attention_implementation(config, args.block_size)
-    model, dtype = load_model(args, run, accelerator.mixed_precision, attention)
+    model, dtype = load_model(args, accelerator.mixed_precision, attention, engine=run.engine,
+                              sharded_init=run.sharded_init, fail=run.fail)
     chunks, chunk_tokens = loss_chunking(args)  # --loss-chunks N, or chunks of --loss-chunk-tokens loss positions
     head = install(model, chunks, accelerator.state.dynamo_plugin.backend.value != "NO", chunk_tokens)
     base = {"base_weights": base_fingerprint(args.model)} if args.lora_r else {}
@@ -221,7 +222,7 @@ def main(argv=None):
     scheduler = warmup_cosine(optimizer, args)
     model, optimizer, train_loader, val_loader, scheduler, every_pair = accelerator.prepare(  # accelerate
         model, optimizer, train_loader, val_loader, scheduler, every_pair)
-    four_bit = checked_base(args, model, accelerator, run)
+    four_bit = checked_base(args, model, accelerator, run.fail)
     reference = None  # set after run.start: a resumed full fine-tune computes it from a copy of --model
 
     def evaluate():

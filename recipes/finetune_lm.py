@@ -291,17 +291,18 @@ def main(argv=None):
         run.fail(error)
     if problem := device_problem(args, accelerator.device.type):  # --attention flex without CUDA: before any loading
         run.fail(problem)
-    check_block_size(args, config, run)
+    check_block_size(args, config, run.fail)
     sp = SequenceParallel.of(accelerator)  # Ulysses: each sequence split over a group of processes (or off)
     check_sequence_parallel(sp, args, config, accelerator, run)
     run.check_whole_model_fits(n_params)  # ZeRO-3 without zero3_init_flag loads it whole on every process
     data = load_data(args, run, accelerator, tokenizer)
     kind, attention, mask = attention_for(args, config, accelerator, data, sp, run)  # flex or sdpa, refused or not
-    model, dtype = load_model(args, run, accelerator.mixed_precision, attention)
+    model, dtype = load_model(args, accelerator.mixed_precision, attention, engine=run.engine,
+                              sharded_init=run.sharded_init, fail=run.fail)
     compiled = accelerator.state.dynamo_plugin.backend.value != "NO"  # *_compile.yaml: one graph, the plain loss
     chunks, chunk_tokens = loss_chunking(args)  # --loss-chunks N, or chunks of --loss-chunk-tokens loss positions
     head = install(model, chunks, compiled, chunk_tokens)  # the loss in chunks through the output layer, or None
-    zero3_lora_note(args, run, accelerator, n_params, dtype)
+    zero3_lora_note(args, run.engine, accelerator, n_params, dtype, run.print)
     # LoRA's checkpoints and adapter hold no base weights: they go with the base they adapt (checkpoint/rules.py)
     base = {"base_weights": base_fingerprint(args.model)} if args.lora_r else {}
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
@@ -323,7 +324,7 @@ def main(argv=None):
     model, optimizer, train_loader, val_loader, scheduler = prepare(
         accelerator, sp, micro, model, optimizer, train_loader, val_loader, scheduler)
     facts = data.facts
-    four_bit = checked_base(args, model, accelerator, run)  # QLoRA: what each process holds of the 4-bit base
+    four_bit = checked_base(args, model, accelerator, run.fail)  # QLoRA: what each process holds of the 4-bit base
     # tokens/s and MFU count real tokens: a block's mean of them, not its positions
     run.start(model, optimizer, scheduler, steps_per_epoch=steps_per_epoch, total_steps=args.max_steps,
               units_per_sample=facts["real_tokens_per_block"], peak_tflops=args.peak_tflops,

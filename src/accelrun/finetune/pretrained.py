@@ -65,10 +65,11 @@ def cannot_load(name, path, exc):
             f"(hf download)")
 
 
-def load_model(args, run, mixed_precision, attention):
+def load_model(args, mixed_precision, attention, *, engine, sharded_init, fail):
     """(model, dtype of its frozen weights): the pretrained weights, loaded partitioned under ZeRO-3 and sharded
     from the main process's copy under FSDP2, with the attention implementation `attention` (packing.py); LoRA
-    adapters on top with --lora-r."""
+    adapters on top with --lora-r. engine: the run's (engines/); sharded_init: the run's context manager that builds
+    the model the engine's way and records how (run.sharded_init); fail: one line, every rank exits 2 (run.fail)."""
     from transformers import AutoModelForCausalLM
     # A full fine-tune keeps fp32 master weights; LoRA's frozen base needs none, so it loads in the compute dtype.
     dtype = torch.float32
@@ -78,33 +79,34 @@ def load_model(args, run, mixed_precision, attention):
     quantized = {"quantization_config": quantization_config(dtype)} if args.load_in_4bit else {}
     try:
         # ZeRO-3: partitioned while loaded; FSDP2: main's copy sharded; 4-bit: every process's own copy, then sharded
-        with run.sharded_init(from_pretrained=True, quantized=args.load_in_4bit):
+        with sharded_init(from_pretrained=True, quantized=args.load_in_4bit):
             model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=dtype,
                                                          attn_implementation=attention, **quantized, **NO_CODE)
     except Exception as exc:  # noqa: BLE001 - a weight file transformers refuses: one line, never a traceback
-        run.fail(f"cannot load the weights of {args.model!r}: {one_line(f'{type(exc).__name__}: {exc}', limit=300)}")
+        fail(f"cannot load the weights of {args.model!r}: {one_line(f'{type(exc).__name__}: {exc}', limit=300)}")
     if args.load_in_4bit:
         for_training(model)  # bitsandbytes' 4-bit layers set for training and for LoRA's checkpoints (qlora.py)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # no generation cache while training
     if args.lora_r:
-        no_autocast = not run.engine.autocasts
+        no_autocast = not engine.autocasts
         try:  # DeepSpeed runs no autocast: its adapters compute in the dtype they are in
             model = with_lora(model, args, adapter_dtype=dtype if no_autocast and dtype != torch.float32 else None)
         except LoraProblem as exc:
-            run.fail(str(exc))
+            fail(str(exc))
     return model, dtype
 
 
-def zero3_lora_note(args, run, accelerator, n_params, dtype):
-    """Under ZeRO-3 with LoRA on GPUs that can each hold the frozen base: one line on the configs that do not
-    gather it layer by layer in every forward and backward (docs/configs.md)."""
-    if not (args.lora_r and run.engine.partitions_parameters and accelerator.device.type == "cuda"):
+def zero3_lora_note(args, engine, accelerator, n_params, dtype, say):
+    """Under ZeRO-3 with LoRA on GPUs that can each hold the frozen base: one line, said by `say` (print on the main
+    process: run.print), on the configs that do not gather it layer by layer in every forward and backward
+    (docs/configs.md). engine: the run's (engines/)."""
+    if not (args.lora_r and engine.partitions_parameters and accelerator.device.type == "cuda"):
         return
     base_gb = n_params * (NF4_BYTES if args.load_in_4bit else dtype.itemsize) / 1e9  # 4-bit: the linear layers' rate
     index = accelerator.device.index if accelerator.device.index is not None else torch.cuda.current_device()
     gpu_gb = torch.cuda.get_device_properties(index).total_memory / 1e9  # one process: "cuda", no index
     if base_gb < gpu_gb / 2:
-        run.print(f"note: LoRA's frozen base ({base_gb:.1f} GB) fits one GPU ({gpu_gb:.0f} GB): 1gpu.yaml, 2gpu.yaml "
+        say(f"note: LoRA's frozen base ({base_gb:.1f} GB) fits one GPU ({gpu_gb:.0f} GB): 1gpu.yaml, 2gpu.yaml "
                   f"or deepspeed_zero2.yaml keep it whole and gather nothing (docs/configs.md)")

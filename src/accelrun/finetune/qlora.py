@@ -129,16 +129,16 @@ def dequantized_base(model, keep):
     return weights
 
 
-def checked_base(args, model, accelerator, run):
+def checked_base(args, model, accelerator, fail):
     """After prepare(), every process: "" without --load-in-4bit; else the first line's note on what this process holds
-    of the 4-bit base (base_note), the run refused in one line where FSDP2 left it whole."""
+    of the 4-bit base (base_note), the run refused in one line where FSDP2 left it whole (fail: run.fail)."""
     if not args.load_in_4bit:
         return ""
     from accelrun.engines import Engine
     problem, note = base_note(accelerator.unwrap_model(model), Engine.of(accelerator).shards_4bit_base,
                               accelerator.num_processes)
     if problem:
-        run.fail(problem)
+        fail(problem)
     return f" | {note}"
 
 

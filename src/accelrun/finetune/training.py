@@ -8,13 +8,14 @@ import math
 import torch
 
 
-def check_block_size(args, config, run):
-    """--block-size, by default the model's context up to 1024; refused when longer than the context."""
+def check_block_size(args, config, fail):
+    """--block-size, by default the model's context up to 1024; refused when longer than the context (fail: one line,
+    every rank exits 2: run.fail)."""
     context = getattr(config, "max_position_embeddings", None)
     if args.block_size is None:  # the default fits the model
         args.block_size = min(1024, context or 1024)
     if context and args.block_size > context:
-        run.fail(f"--block-size {args.block_size} is longer than {args.model}'s context of {context} tokens; give less")
+        fail(f"--block-size {args.block_size} is longer than {args.model}'s context of {context} tokens; give less")
 
 
 def adamw(trainable, args):
