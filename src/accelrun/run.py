@@ -89,8 +89,8 @@ class Run:
         name_the_cpu_for_deepspeed()
         quiet_progress_bars()
         self.stopper, self.stopping = GracefulStop(args.stop_signals, args.checkpoint_dir), False
-        # What summary.json says of the run itself, gathered as the run learns it (how the model was built, then
-        # start()'s resume and memory peaks; finish() adds the rest).
+        # What summary.json says of the run itself, gathered as the run learns it (setup()'s engine facts, how the
+        # model was built, then start()'s gradient sync, resume and memory peaks; finish() adds the rest).
         self.facts = {"model_init": BUILT_WHOLE}
 
     # ---- before prepare() -------------------------------------------------------------------------
@@ -115,7 +115,7 @@ class Run:
         self.engine.clip_like(max_grad_norm)
         check_deepspeed_flags(accelerator, grad_accum, max_grad_norm, prepared=False)
         self.engine.reduce_in_fp32()
-        self.engine_facts = self.engine.facts()
+        self.facts["engine"] = self.engine.facts()  # start() adds how gradients sync: engine_facts
         default_output_dir = default_output_dir or os.path.join("runs", self.name, self.engine.label())
         # The lock, the checkpoint to resume, where results go, a finished run: before any loading (starting.py).
         self.settled = settle(accelerator, self.args, self.name, default_output_dir, self.may_change, self.print)
@@ -125,6 +125,12 @@ class Run:
         """Where the results go: settled by setup(), final from start() on (a continued run moves it to its
         checkpoint's)."""
         return self.settled.output_dir
+
+    @property
+    def engine_facts(self):
+        """What accelerate set up (engines/: Engine.facts), from start() on with how gradients sync, as the first line
+        and the summary say it: the recipe's to read (gpt.py sizes its optimizer state by the DeepSpeed stage)."""
+        return self.facts["engine"]
 
     def print(self, *message, **kwargs):
         """print() on the main process only."""
@@ -162,7 +168,7 @@ class Run:
         repoint_scheduler(optimizer, scheduler)
         self.optimizer = optimizer
         self.engine.cast_buffers(model)
-        self.engine_facts.update(self.engine.gradient_sync(model))
+        self.facts["engine"].update(self.engine.gradient_sync(model))
         # Global samples (or tokens) per forward pass, and what a unit costs, for the throughput and MFU.
         self.throughput = Throughput(self.throughput.unit, batch.size // batch.grad_accum * units_per_sample,
                                      batch.grad_accum, flops_per_unit, peak_tflops, acc.num_processes)
@@ -347,7 +353,7 @@ class Run:
     def _report(self, recipe_fields):
         """What the end writes the results from (finishing.Report): the run's facts for the summary among them."""
         optimizer = self.optimizer
-        facts = {**self.facts, "recipe": self.name, "output_dir": self.output_dir, "engine": self.engine_facts,
+        facts = {**self.facts, "recipe": self.name, "output_dir": self.output_dir,
                  "optimizer": optimizer_name(optimizer), "optimizer_implementation": implementation(optimizer),
                  "resume_changes": self.checkpointer.reshaped, "args": vars(self.args)}
         return Report(self.output_dir, self.name, self.args.report_to, facts, self.state, self.metrics, self.timer,
