@@ -214,6 +214,14 @@ def free_port():
         return s.getsockname()[1]
 
 
+def turned_off_by_use_cpu(distributed_type):
+    """Whether a config of this distributed type runs on a CPU through cpu_route/ only: its engine is one accelerate
+    launch turns on by a variable of its own (DeepSpeed, FSDP2), which ACCELERATE_USE_CPU=1 would turn off. The
+    engines say which (accelrun.engines), as the recipes' launch checks ask them."""
+    from accelrun.engines import Engine  # here: the benchmark's --help and its plan stay quick
+    return any(kind.launch_env and kind.accelerate_type.value == distributed_type for kind in Engine.kinds)
+
+
 def config_launch(config, processes, on_gpu, mixed_precision, out):
     """accelerate launch arguments and environment that run `config` here with `processes` processes."""
     cfg = load_config(config)
@@ -228,7 +236,7 @@ def config_launch(config, processes, on_gpu, mixed_precision, out):
     if cfg.get("num_machines", 1) > 1:  # one machine here
         args += ["--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1"]
     if not on_gpu:  # the CPU route: see cpu_route/sitecustomize.py
-        if cfg["distributed_type"] in ("DEEPSPEED", "FSDP"):
+        if turned_off_by_use_cpu(cfg["distributed_type"]):
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_SHIM), os.environ.get("PYTHONPATH")]))
         else:
             env["ACCELERATE_USE_CPU"] = "1"

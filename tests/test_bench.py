@@ -3,6 +3,7 @@ a report whose every figure is the runs' own (tiny sizes; no timing is asserted)
 
 import dataclasses
 import json
+import os
 import re
 import signal
 import subprocess
@@ -515,3 +516,17 @@ def test_gpu_table_writes_a_llama_and_uneven_chats(tmp_path):
     assert all(m["role"] in ("system", "user", "assistant") for c in chats for m in c["messages"])
     assert 100 < facts["median_tokens"] < facts["mean_tokens"] < 1024 < facts["longest"]  # a long tail
     assert 0 < facts["over_1024"] < 0.05
+
+
+def test_a_cpu_benchmark_launches_deepspeed_and_fsdp_through_the_cpu_route(tmp_path):
+    """On a CPU the benchmark launches the configs whose engine ACCELERATE_USE_CPU=1 would turn off (DeepSpeed,
+    FSDP2: the engines say which) with cpu_route/ on PYTHONPATH, and every other config with ACCELERATE_USE_CPU=1."""
+    benchmark, _ = gpu_table_modules()
+    routes = {}
+    for config in ["cpu.yaml", *benchmark.MULTI_PROCESS_CONFIGS]:
+        _, env = benchmark.config_launch(config, 2, False, "no", tmp_path / config)
+        routes[config] = "cpu_route" if str(benchmark.CPU_SHIM) in env.get("PYTHONPATH", "").split(os.pathsep) \
+            else env.get("ACCELERATE_USE_CPU")
+    assert routes == {"cpu.yaml": "1", "2gpu.yaml": "1", "deepspeed_zero1.yaml": "cpu_route",
+                      "deepspeed_zero2.yaml": "cpu_route", "deepspeed_zero3.yaml": "cpu_route",
+                      "deepspeed_zero3_offload.yaml": "cpu_route", "fsdp.yaml": "cpu_route"}
