@@ -236,7 +236,8 @@ def check(config, recipe=None):
     raw = load_with_accelerate(config, problems)
     if raw is not None:
         check_ignored_keys(raw, problems)
-    if raw is not None and raw.get("distributed_type") == "DEEPSPEED":
+    from accelrun.engines import DeepSpeed  # which distributed type is DeepSpeed's: its engine says (accelrun.engines)
+    if raw is not None and raw.get("distributed_type") == DeepSpeed.accelerate_type.value:
         ds_json = load_deepspeed_json(raw, config, problems)
         if ds_json is not None:
             check_deepspeed(raw, ds_json, recipe, problems)
