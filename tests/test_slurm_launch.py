@@ -760,15 +760,51 @@ def test_two_node_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir
         assert_resharded_onto_one_process(ref, resumed, resumed_run)
 
 
-def signal_mid_training(cluster, job, log, out, stop):
-    """At step 3 on both nodes, the training frozen: SIG`stop` as Slurm sends it (TERM: to the job's steps and the
-    batch script, as preemption does; USR1: to the batch script, as the templates' timer does), until it is
-    pending in every training process; then the training goes on, and meets it mid-training."""
+@pytest.mark.slow
+def test_two_node_hsdp_job_preempted_requeues_resumes_and_matches(two_nodes, data_dir, tmp_path, reference):
+    """Issue 50, item 2: HSDP (hsdp.yaml, fp32) on 2 nodes of 2 processes each (the template's one per GPU Slurm
+    gives), per node: slurm_launch gives each node's accelerate launch dp_replicate_size 2 (nodes) and dp_shard_size 2
+    (processes per node), so a node's 2 processes shard one copy of the model and each node holds a copy. SIGTERM
+    mid-training, as a preemption sends it: the job checkpoints, requeues, resumes on the same nodes and ends with the
+    weights and steps of the same training uninterrupted on one machine (test_hsdp.py's 2 x 2 run, conftest's
+    reference). Its own job (about 100 s: 2 runs of 4 processes and the requeue's wait): the per-node preemption job
+    above runs 1 process per node, and HSDP needs 2 or more; the preflight job runs no model."""
+    ref, _ = reference("hsdp.yaml", "--no-batchnorm")
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    job, log = submit(two_nodes, ["launch/multinode.sbatch"], [str(fp32_config(tmp_path, "hsdp.yaml")), RECIPE],
+                      data_dir, out, env={"PYTHONPATH": str(CPU_SHIM), "TEST_STEP_SECONDS": "0.3"}, wait=False,
+                      training=(*TRAINING, "--no-batchnorm", "--checkpoint-dir", str(ckpt)))
+    signal_mid_training(two_nodes, job, log, out, "TERM", processes=4)
+    state, fields = wait_final(two_nodes, job)
+    text = job_log(log)
+    assert state == "COMPLETED", text
+    assert fields["Restarts"] == "1", fields
+    stopped, resumed_run = runs_of(text)
+    assert_stopped_and_requeued(stopped, "per-node", "TERM")
+    for run_log in (stopped, resumed_run):
+        assert_one_launch_per_node(run_log)
+        assert [mesh_of(line.split()) for line in launch_lines(run_log)] == [(2, 2), (2, 2)], run_log
+    assert f"resumed from {ckpt}" in resumed_run and not srun_exit_codes(resumed_run)
+    resumed = LaunchResult(0, text, out)
+    s = resumed.summary
+    assert (s["distributed_type"], s["world_size"], s["steps"], s["resume_changes"]) == ("FSDP", 4, 20, [])
+    assert s["resumed_from_step"] >= 3 and s["resumed_from_world_size"] == 4
+    checksums = s["param_checksum_per_rank"]  # ranks 0 and 1 on node1, 2 and 3 on node2: a copy per node
+    assert checksums[0] == checksums[2] and checksums[1] == checksums[3] and checksums[0] != checksums[1], checksums
+    assert s["param_elements_per_rank"] == [s["param_elements"] // 2] * 4
+    assert_identical_params(ref.params(), resumed.params())
+    assert_same_steps(ref.metrics, resumed.metrics, after_step=0)
+
+
+def signal_mid_training(cluster, job, log, out, stop, processes=2):
+    """At step 3 on both nodes, the training (`processes` of it) frozen: SIG`stop` as Slurm sends it (TERM: to the
+    job's steps and the batch script, as preemption does; USR1: to the batch script, as the templates' timer does),
+    until it is pending in every training process; then the training goes on, and meets it mid-training."""
     def at_step_3():
         if steps_logged(out) < 3:
             assert cluster.job_state(job)[0] in ("PENDING", "CONFIGURING", "RUNNING"), log.read_text()
             return False
-        return len(recipe_processes(str(out))) == 2
+        return len(recipe_processes(str(out))) == processes
 
     wait_for(at_step_3, "step 3 on both nodes")
     # Freeze the training so the signal lands mid-training, not after it ended.
