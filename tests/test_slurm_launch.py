@@ -767,8 +767,9 @@ def test_two_node_hsdp_job_preempted_requeues_resumes_and_matches(two_nodes, dat
     (processes per node), so a node's 2 processes shard one copy of the model and each node holds a copy. SIGTERM
     mid-training, as a preemption sends it: the job checkpoints, requeues, resumes on the same nodes and ends with the
     weights and steps of the same training uninterrupted on one machine (test_hsdp.py's 2 x 2 run, conftest's
-    reference). Its own job (about 100 s: 2 runs of 4 processes and the requeue's wait): the per-node preemption job
-    above runs 1 process per node, and HSDP needs 2 or more; the preflight job runs no model."""
+    reference). Its own job (145 s measured on a loaded 2-core machine, the reference's launch included: 2 runs of 4
+    processes and the requeue's wait): the per-node preemption job above runs 1 process per node, and HSDP needs 2 or
+    more; the preflight job runs no model."""
     ref, _ = reference("hsdp.yaml", "--no-batchnorm")
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     job, log = submit(two_nodes, ["launch/multinode.sbatch"], [str(fp32_config(tmp_path, "hsdp.yaml")), RECIPE],
