@@ -19,12 +19,17 @@ never (accelerate 1.15, DeepSpeed 0.19):
   * YAML DeepSpeed keys next to deepspeed_config_file: accelerate refuses the mix at start-up;
   * (a warning) top-level keys accelerate launch never applies, because their command-line
     options have defaults that win (rdzv_backend, same_network, ...).
+And for FSDP's mesh (parallelism_config: HSDP's dp_replicate_size x dp_shard_size, hsdp.yaml):
+  * a product of the sizes that is not the number of processes, named in one line (accelerate refuses it only
+    once every process has started);
+  * dp_replicate_size above 1 with dp_shard_size 1: FSDP has nothing to shard over (accelerate refuses it too).
 Exit 0 when the config is usable (notes are printed), 2 with one line per problem otherwise.
 launch/slurm_launch.py runs this check in every task before it launches anything.
 """
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -43,6 +48,10 @@ STAGE3_YAML_KEYS = {"offload_param_device": ("none", None), "zero3_init_flag": (
 FILE_EXCLUSIVE_YAML_KEYS = ("zero_stage", "offload_optimizer_device", "offload_param_device",
                             "gradient_accumulation_steps", "gradient_clipping", "zero3_save_16bit_model",
                             "offload_optimizer_nvme_path", "offload_param_nvme_path")
+
+# FSDP's mesh in an accelerate YAML (accelerate >= 1.10): the sizes whose product is the number of processes.
+DP_REPLICATE, DP_SHARD = "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size"
+MESH_SIZES = (DP_REPLICATE, DP_SHARD, "parallelism_config_tp_size", "parallelism_config_cp_size")
 
 
 class Problems:
@@ -227,8 +236,46 @@ def check_precision(raw, ds_json, problems):
                       f"does not override it (fp16 against a bf16 JSON is an error; accelerate 1.15)")
 
 
-def check(config, recipe=None):
-    """(errors, notes) for `config`, optionally for use with `recipe`."""
+def is_hsdp(raw):
+    """Whether a config is HSDP: FSDP with a parallelism_config that names dp_replicate_size (the copies of the model;
+    launch/slurm_launch.py fills it and dp_shard_size from Slurm)."""
+    section = raw.get("parallelism_config") if isinstance(raw, dict) else None
+    return raw.get("distributed_type") == "FSDP" and isinstance(section, dict) and DP_REPLICATE in section
+
+
+def check_mesh(raw, problems, processes=None, filled=False):
+    """FSDP's mesh: whole sizes, a copy of the model sharded over at least 2 processes where it is replicated, and
+    (unless slurm_launch fills the two data-parallel sizes: filled) a product equal to the number of processes, the
+    launch's (processes) or the YAML's num_processes."""
+    section = raw.get("parallelism_config")
+    if raw.get("distributed_type") != "FSDP" or not isinstance(section, dict) or not set(MESH_SIZES) & set(section):
+        return
+    sizes = {key: section.get(key, 1) for key in MESH_SIZES}
+    wrong = [key for key, value in sizes.items() if not (isinstance(value, int) and value >= 1)]
+    if wrong:
+        problems.error(f"parallelism_config.{wrong[0]}", f"{sizes[wrong[0]]!r} is not a number of processes",
+                       "write a whole number, 1 or more")
+        return
+    replicate, shard = sizes[DP_REPLICATE], sizes[DP_SHARD]
+    if not filled and replicate > 1 and shard == 1 and math.prod(sizes.values()) == replicate:
+        problems.error(f"parallelism_config.{DP_SHARD}", f"is 1 with dp_replicate_size {replicate}: FSDP has nothing "
+                       f"to shard over (accelerate refuses it when the job starts)", "give dp_shard_size the "
+                       "processes of one node (2 or more), or for a whole copy on every process use DDP "
+                       "(2gpu.yaml, multinode.yaml)")
+    processes = processes or raw.get("num_processes")
+    if filled or not isinstance(processes, int) or math.prod(sizes.values()) == processes:
+        return
+    named = " x ".join(f"{key.removeprefix('parallelism_config_')} {sizes[key]}" for key in MESH_SIZES
+                       if key in section)
+    problems.error("parallelism_config", f"{named} = {math.prod(sizes.values())} processes, but the launch starts "
+                   f"{processes} (num_processes); accelerate refuses the mismatch once every process has started",
+                   "make the product the number of processes (under Slurm launch/slurm_launch.py sets "
+                   "dp_replicate_size to the nodes and dp_shard_size to the processes per node)")
+
+
+def check(config, recipe=None, processes=None, filled=False):
+    """(errors, notes) for `config`, optionally for use with `recipe`; processes: the number the launch starts
+    (default: the YAML's num_processes); filled: launch/slurm_launch.py gives HSDP's two sizes itself."""
     problems = Problems(config)
     if not os.path.isfile(config):
         problems.error("file", "does not exist", "give the path of a YAML file in accelerate_configs/")
@@ -236,6 +283,7 @@ def check(config, recipe=None):
     raw = load_with_accelerate(config, problems)
     if raw is not None:
         check_ignored_keys(raw, problems)
+        check_mesh(raw, problems, processes, filled and is_hsdp(raw))
     from accelrun.engines import DeepSpeed  # which distributed type is DeepSpeed's: its engine says (accelrun.engines)
     if raw is not None and raw.get("distributed_type") == DeepSpeed.accelerate_type.value:
         ds_json = load_deepspeed_json(raw, config, problems)
@@ -248,10 +296,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("config", help="an accelerate YAML config")
     p.add_argument("--recipe", help="the recipe it will run (checks offload against the recipe's optimizer)")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="the processes the launch starts, all nodes together (default: the config's num_processes); "
+                        "checked against the product of parallelism_config's sizes")
     args = p.parse_args(argv)
     if args.recipe and not os.path.isfile(args.recipe):
         p.error(f"recipe {args.recipe!r} does not exist")
-    errors, notes = check(args.config, args.recipe)
+    errors, notes = check(args.config, args.recipe, args.num_processes)
     for line in notes:
         print(line)
     for line in errors:

@@ -5,7 +5,9 @@ Run it under `srun` from an sbatch script (see launch/*.sbatch):
 
     srun --kill-on-bad-exit=1 python3 launch/slurm_launch.py CONFIG RECIPE [RECIPE ARGS...]
 
-The config chooses DDP, DeepSpeed or FSDP; Slurm decides the sizes.
+The config chooses DDP, DeepSpeed or FSDP; Slurm decides the sizes. For an HSDP config (FSDP with
+parallelism_config's dp_replicate_size, accelerate_configs/hsdp.yaml) that includes the mesh: one copy of the
+model per node (dp_replicate_size = nodes), sharded over the node's processes (dp_shard_size = processes per node).
 
 Mode `per-node` (default, `--ntasks-per-node=1`): each task is one node's
 `accelerate launch`, which starts one process per GPU of that node.
@@ -173,12 +175,14 @@ def check_port_free(port):
 
 def plan(args, env, resolve=True):
     """Return (command, extra environment) for this task, or raise LaunchError."""
-    distributed_type = check_job(args, env)
+    config = check_job(args, env)
+    distributed_type = config["distributed_type"]
     nodes = int(require(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
     node_rank = int(require(env, "SLURM_NODEID"))
     main_host, port = rendezvous_address(args, env, resolve)
     ntasks_node = tasks_per_node(env)
     per_node = processes_per_node(args, env, distributed_type)
+    mesh = hsdp_mesh(args, config, nodes, per_node)
     if args.mode == "per-node":
         if ntasks_node != 1:
             raise LaunchError(f"mode per-node needs one task per node, this step has {ntasks_node}: use "
@@ -190,6 +194,7 @@ def plan(args, env, resolve=True):
                "--rdzv_backend", "static", "--same_network"]
         if distributed_type == "DEEPSPEED":
             cmd += ["--deepspeed_multinode_launcher", "standard"]  # torchrun on every node, no pdsh/ssh
+        cmd += mesh
         # The environment, not --num_cpu_threads_per_process: accelerate's DeepSpeed launcher drops that flag.
         return cmd + [args.recipe, *args.recipe_args], {"OMP_NUM_THREADS": str(threads_per_process(env, per_node))}
 
@@ -202,11 +207,24 @@ def plan(args, env, resolve=True):
              "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(ntasks_node), "GROUP_RANK": str(node_rank),
              "MASTER_ADDR": main_host, "MASTER_PORT": str(port),
              "OMP_NUM_THREADS": str(threads_per_process(env, 1))}
-    return [sys.executable, args.recipe, *args.recipe_args], {**accelerate_env(args.config, nodes, world), **ranks}
+    return [sys.executable, args.recipe, *args.recipe_args], {**accelerate_env(args.config, nodes, world, mesh),
+                                                              **ranks}
+
+
+def hsdp_mesh(args, config, nodes, per_node):
+    """An HSDP config's sizes from Slurm, as accelerate launch's options: a copy of the model per node, sharded over
+    the node's processes (only gradients cross between nodes); [] for any other config."""
+    if not check_config.is_hsdp(config):
+        return []
+    if per_node < 2:
+        raise LaunchError(f"{args.config} is HSDP, which shards each node's copy of the model over the node's "
+                          f"processes, and this job has {per_node} per node: give each node 2 or more GPUs "
+                          f"(--gres=gpu:N), or use accelerate_configs/multinode.yaml (DDP)")
+    return ["--parallelism_config_dp_replicate_size", str(nodes), "--parallelism_config_dp_shard_size", str(per_node)]
 
 
 def check_job(args, env):
-    """The config's distributed type, once this task is a job step and the config and the recipe are usable."""
+    """The config (its YAML, read), once this task is a job step and the config and the recipe are usable."""
     if "SLURM_JOB_ID" not in env:
         raise LaunchError("not inside a Slurm job (SLURM_JOB_ID is unset): submit it with sbatch, "
                           "see launch/single_node.sbatch")
@@ -217,16 +235,18 @@ def check_job(args, env):
     try:
         with open(args.config) as f:
             config = yaml.safe_load(f)
-        distributed_type = config["distributed_type"]
-    except (yaml.YAMLError, TypeError, KeyError) as exc:
+    except yaml.YAMLError as exc:
         raise LaunchError(f"{args.config} is not an accelerate config ({exc})") from None
+    if not isinstance(config, dict) or "distributed_type" not in config:
+        raise LaunchError(f"{args.config} is not an accelerate config (it has no distributed_type)")
     if not os.path.isfile(args.recipe):
         raise LaunchError(f"recipe {args.recipe!r} does not exist")
-    errors, _ = check_config.check(args.config, args.recipe)  # the traps that would bite only after start-up
+    # The traps that would bite only after start-up; an HSDP config's two sizes are this launcher's (hsdp_mesh).
+    errors, _ = check_config.check(args.config, args.recipe, filled=True)
     if errors:
         raise LaunchError(errors[0] + (f" (and {len(errors) - 1} more problem(s): python3 launch/check_config.py "
                                        f"{args.config} --recipe {args.recipe})" if len(errors) > 1 else ""))
-    return distributed_type
+    return config
 
 
 def rendezvous_address(args, env, resolve):
@@ -258,14 +278,15 @@ def processes_per_node(args, env, distributed_type):
     return args.processes_per_node or gpus or 1
 
 
-def accelerate_env(config_file, nodes, world):
-    """The environment `accelerate launch` would give a worker for this config (its own code)."""
+def accelerate_env(config_file, nodes, world, mesh=()):
+    """The environment `accelerate launch` would give a worker for this config (its own code); mesh: HSDP's sizes
+    (hsdp_mesh), given as to accelerate launch."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     parsed = launch_command_parser().parse_args(
         ["--config_file", config_file, "--num_machines", str(nodes), "--num_processes", str(world),
-         "--main_process_ip", "127.0.0.1", "--main_process_port", "1", "placeholder.py"])
+         "--main_process_ip", "127.0.0.1", "--main_process_port", "1", *mesh, "placeholder.py"])
     parsed, defaults, mp_from_config = _validate_launch_command(parsed)
     if parsed.use_deepspeed:  # as accelerate's launch_command does before its DeepSpeed launcher
         fields = list(defaults.deepspeed_config) if defaults else []

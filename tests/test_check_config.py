@@ -116,3 +116,40 @@ def test_slurm_launch_runs_the_check_before_anything_starts(tmp_path, monkeypatc
     refusal = "replace recipes/resnet.py's torch.optim.SGD by DeepSpeedCPUAdam"
     with pytest.raises(slurm_launch.LaunchError, match=refusal):
         slurm_launch.plan(args, env, resolve=False)
+
+
+HSDP_YAML = (CONFIG_DIR / "hsdp.yaml").read_text()
+
+
+def mesh_config(tmp_path, replicate, shard, processes):
+    """hsdp.yaml with other sizes and num_processes."""
+    text = (HSDP_YAML.replace("parallelism_config_dp_replicate_size: 2 ", f"parallelism_config_dp_replicate_size: "
+                              f"{replicate} ")
+            .replace("parallelism_config_dp_shard_size: 2 ", f"parallelism_config_dp_shard_size: {shard} ")
+            .replace("num_processes: 4 ", f"num_processes: {processes} "))
+    config = tmp_path / "mesh.yaml"
+    config.write_text(text)
+    return config
+
+
+def test_an_hsdp_product_that_is_not_the_process_count_is_named_in_one_line(tmp_path, capsys):
+    """Issue 50, item 2: dp_replicate_size x dp_shard_size must be the number of processes (accelerate refuses a
+    mismatch only once every process has started): 2 x 4 against num_processes 4, and hsdp.yaml's 2 x 2 against a
+    launch of 8 (--num-processes), each one line naming the product and the count. The shipped 2 x 2 on 4 passes."""
+    assert check_config.check(str(CONFIG_DIR / "hsdp.yaml")) == ([], [])
+    assert check_config.main([str(mesh_config(tmp_path, 2, 4, 4))]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "parallelism_config: dp_replicate_size 2 x dp_shard_size 4 = 8 processes, but the " \
+                               "launch starts 4 (num_processes)" in lines[0] and "Fix: " in lines[0], lines
+    assert check_config.main([str(CONFIG_DIR / "hsdp.yaml"), "--num-processes", "8"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "= 4 processes, but the launch starts 8" in lines[0], lines
+    # Under Slurm the launcher fills the two sizes itself (replicate = nodes, shard = processes per node).
+    assert check_config.check(str(mesh_config(tmp_path, 2, 4, 4)), filled=True)[0] == []
+
+
+def test_hsdp_without_a_shard_dimension_is_refused(tmp_path):
+    """dp_replicate_size 2 with dp_shard_size 1 under FSDP: nothing to shard over (accelerate refuses it)."""
+    errors, _ = check_config.check(str(mesh_config(tmp_path, 2, 1, 2)))
+    assert len(errors) == 1 and "parallelism_config_dp_shard_size: is 1 with dp_replicate_size 2" in errors[0], errors
+    assert "DDP (2gpu.yaml, multinode.yaml)" in errors[0]

@@ -12,7 +12,7 @@ How each config runs on CPU (the "CPU route"), found with accelerate 1.15 / torc
   * DEEPSPEED or FSDP: tests/helpers/cpu_shim on PYTHONPATH (it loads cpu_route/, the users' CPU route, plus two
     test-only hooks), because ACCELERATE_USE_CPU=1 silently turns both off. The shim is on the path of every
     launch: it also gives SyncBatchNorm (--sync-bn) a CPU path, and does nothing else.
-  * multi-node configs: overridden to one machine at 127.0.0.1.
+  * multi-node configs: overridden to one machine at 127.0.0.1, with the processes of EXPECTED (2; HSDP's 2 x 2: 4).
 A free port is given to every launch so runs never collide.
 """
 
@@ -41,7 +41,11 @@ YAML_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))  # every shipped 
 # Sequence parallelism (Ulysses) is finetune_lm.py's alone: tests/test_sequence_parallel.py launches it, the other
 # recipes refuse it in one line (accelrun/refusals.py), and the recipes' matrices (CONFIG_FILES) leave it out.
 SEQUENCE_PARALLEL_CONFIGS = ["deepspeed_zero3_sp2.yaml"]
-CONFIG_FILES = [c for c in YAML_FILES if c not in SEQUENCE_PARALLEL_CONFIGS]
+# HSDP (2 copies of the model x 2 shards: 4 processes) is FSDP2's code over a 2-D mesh: tests/test_hsdp.py launches
+# mnist under it against FSDP2 over 4 processes, and test_slurm_launch.py a 2-node job; 4 processes per recipe would
+# double the matrices' cost, so they leave it out.
+HSDP_CONFIGS = ["hsdp.yaml"]
+CONFIG_FILES = [c for c in YAML_FILES if c not in SEQUENCE_PARALLEL_CONFIGS + HSDP_CONFIGS]
 # The compiled variants are DDP / one GPU plus torch.compile: tests/test_compile.py launches gpt and mnist under
 # them (with dynamo's logs), the other recipes' matrices take every config (CONFIG_FILES); ALL_CONFIGS is the rest.
 COMPILE_CONFIGS = [c for c in CONFIG_FILES if c.endswith("_compile.yaml")]
@@ -104,7 +108,7 @@ def cpu_route(config_name):
         env["ACCELERATE_USE_CPU"] = "1"
     if cfg.get("num_machines", 1) > 1:
         args += ["--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
-                 "--num_processes", "2"]
+                 "--num_processes", str(EXPECTED.get(config_name, (None, 2))[1])]
     return args, env
 
 
@@ -166,6 +170,7 @@ EXPECTED = {
     "deepspeed_zero3_offload.yaml": ("DEEPSPEED", 2, 3, True),
     "deepspeed_zero3_sp2.yaml": ("DEEPSPEED", 2, 3, True),
     "fsdp.yaml": ("FSDP", 2, None, True),
+    "hsdp.yaml": ("FSDP", 4, None, True),
     "1gpu_compile.yaml": ("NO", 1, None, False),
     "2gpu_compile.yaml": ("MULTI_CPU", 2, None, False),
 }

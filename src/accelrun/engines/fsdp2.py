@@ -1,6 +1,12 @@
-"""FSDP2: accelerate's fully_shard, with the shipped config's SHARDED_STATE_DICT or a FULL_STATE_DICT.
+"""FSDP2: accelerate's fully_shard, with the shipped config's SHARDED_STATE_DICT or a FULL_STATE_DICT; HSDP too.
 
 Owns what differs from the Engine defaults under FSDP2:
+  * HSDP as a property of the engine, as sequence parallelism is DeepSpeed's: accelerate's parallelism_config with
+    dp_replicate_size copies of the model, each sharded over dp_shard_size processes (hsdp.yaml: replicate = nodes,
+    shard = processes per node); its label says so (hsdp2x2-4proc). Its checkpoints are FSDP2's: the layout records
+    the family and the world size, and torch.distributed.checkpoint's metadata the chunks of every tensor, which
+    reshard by parameter name onto any other mesh or number of processes (FSDP2 over 2 processes and back), so a
+    resume needs nothing more;
   * gradients summed in fp32 like DDP and the DeepSpeed JSONs (reduce_in_fp32: accelerate's policy reduces in the
     compute dtype, and its YAML has no key for it), and what really runs (reduction); buffers cast to its half
     precision;
@@ -51,8 +57,18 @@ class FSDP2(Engine):
                    "wrote it, or start afresh with another --checkpoint-dir)"
         return None
 
+    @property
+    def replicas(self):
+        """HSDP: the copies of the model (parallelism_config's dp_replicate_size, one per node under Slurm), each
+        sharded over processes / replicas processes; 1 for FSDP2 proper, one copy sharded over every process."""
+        config = getattr(self.accelerator, "parallelism_config", None)
+        size = getattr(config, "dp_replicate_size", 1) if config is not None else 1
+        return size if isinstance(size, int) and size > 1 else 1
+
     def label_name(self):
-        return "fsdp"
+        """'fsdp', or under HSDP 'hsdpRxS' (R copies of the model, each sharded over S processes)."""
+        replicas = self.replicas
+        return f"hsdp{replicas}x{self.accelerator.num_processes // replicas}" if replicas > 1 else "fsdp"
 
     def reduce_in_fp32(self):
         """accelerate's FSDP2 policy reduces gradients in the compute dtype (bf16), while DDP reduces fp32 gradients
