@@ -118,7 +118,8 @@ def optimizer_for(trainable, args, engine):
 
 
 def moments(optimizer):
-    """(the local parameter, the state key, the local moment) of every moment the stepping optimizer holds."""
+    """(the local parameter, {state key: its local moment}) of every parameter the stepping optimizer holds state
+    for (under FSDP2 this rank's shards)."""
     from torch.distributed.tensor import DTensor
 
     from ..optimizers import innermost_optimizer
@@ -126,9 +127,10 @@ def moments(optimizer):
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     for group in inner.param_groups:
         for p in group["params"]:
-            for key, value in inner.state.get(p, {}).items():
-                if key != "step" and hasattr(value, "dtype"):
-                    yield local(p), key, local(value)
+            state = inner.state.get(p, {})
+            held = {key: local(v) for key, v in state.items() if key != "step" and hasattr(v, "dtype")}
+            if held:
+                yield local(p), held
 
 
 def moment_kind(moment):
@@ -150,18 +152,17 @@ def local_problem(optimizer, asked):
     """(None or the first moment of this rank's that is not of the kind asked for, state bytes, parameter elements
     those states cover). 8bit: a tensor torchao quantises has 8-bit moments, the others bf16 ones."""
     wanted = {"fp32": "float32", "bf16": "bfloat16"}.get(asked)
-    problem, held, covered, seen = None, 0, 0, set()
-    for p, key, moment in moments(optimizer):
+    problem, held, covered = None, 0, 0
+    for p, states in moments(optimizer):
         want = wanted or ("8bit" if quantised(p.numel()) else "bfloat16")
-        got = moment_kind(moment)
-        if got != want and problem is None:
-            problem = (f"--optim-states {asked}: after the first step a moment ({key}, of a parameter of shape "
-                       f"{tuple(p.shape)}) is {got}, not {want}; the optimizer that steps is not the one asked for "
-                       f"(nothing was changed silently: the run stops here)")
-        held += state_bytes(moment)
-        if id(p) not in seen:
-            seen.add(id(p))
-            covered += p.numel()
+        for key, moment in states.items():
+            got = moment_kind(moment)
+            if got != want and problem is None:
+                problem = (f"--optim-states {asked}: after the first step a moment ({key}, of a parameter of shape "
+                           f"{tuple(p.shape)}) is {got}, not {want}; the optimizer that steps is not the one asked "
+                           f"for (nothing was changed silently: the run stops here)")
+            held += state_bytes(moment)
+        covered += p.numel()
     return problem, held, covered
 
 
