@@ -14,8 +14,9 @@ optimizer state per trained parameter for summary.json.
           quantisation map): 2 bytes and 1/32 of a byte per parameter. torchao quantises only a tensor (its local
           shard, under FSDP2) of at least 4,096 values that its blocks divide; the rest keep bf16 moments here, never
           fp32 (torchao would keep them in the weights' dtype: fp32 masters). Whether a shard is quantised depends on
-          its size, so on the number of processes (torchao issue 4912): a checkpoint is resumed onto the world size
-          that wrote it (Engine.optimizer_states_reshard_problem), where each tensor's kind of state is the same.
+          its size, so on the number of processes (torchao issue 4912): on a resume onto another world size
+          torch.distributed.checkpoint reshards the saved states into the kind each new shard takes (copy_ quantises
+          or dequantises), and the check after the first step holds the result to the rule above.
 
 torchao (0.18) handles FSDP2's DTensor parameters; bitsandbytes' 8-bit optimizers fail at their first step under FSDP2
 (its issues 89 and 1633), which the engine refuses. torchao's state tensor (OptimState8bit) loads under weights-only
