@@ -169,7 +169,7 @@ def build_optimizer(trainable, args, accelerator, run):
     optimizer, problem = optimizer_for(trainable, args, Engine.of(accelerator))
     if problem:
         run.fail(problem)
-    return optimizer, StatesCheck(args.optim_states, accelerator, run)
+    return optimizer, StatesCheck(args.optim_states, optimizer, accelerator, run)
 
 
 def check_sequence_parallel(sp, args, config, accelerator, run):
@@ -365,10 +365,9 @@ def main(argv=None):
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            states.after_step(optimizer)
             if run.step(loss):  # a stop signal, or the last step
                 break
-    return finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base, kind, states)
+    return finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base, kind, states.summary(optimizer))
 
 
 def attention_for(args, config, accelerator, data, sp, run):
@@ -389,7 +388,8 @@ def attention_for(args, config, accelerator, data, sp, run):
 
 
 def finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base, kind, states):
-    """The greedy answer to a held-out prompt, then run.finish: the export and the summary (with the data's facts)."""
+    """The greedy answer to a held-out prompt, then run.finish: the export and the summary (with the data's facts and
+    states, the optimizer states' fields)."""
     sample, dequantized = {}, {}
     if args.sample_tokens and not run.stopping:
         sample = greedy_answer(model, accelerator, tokenizer, data.sample, data.format, args)
@@ -401,7 +401,7 @@ def finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base,
     return run.finish(model, export=functools.partial(export, model=model, accelerator=accelerator,
                                                       tokenizer=tokenizer, args=args, output_dir=run.output_dir,
                                                       base_weights=base.get("base_weights"), dequantized=dequantized),
-                      attention=kind, **states.summary(),
+                      attention=kind, **states,
                       exported_dtype=args.save_dtype, base_model=args.model, data_format=data.format,
                       data_source=data.source, block_size=args.block_size,
                       gradient_checkpointing=args.gradient_checkpointing, **data.facts, **lora, **sample, **data.cuts)

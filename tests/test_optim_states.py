@@ -3,9 +3,10 @@ precision asked for, checked after the first step, their bytes per parameter in 
 engines that cannot keep them, and checkpoints that hold the low-precision states and resume exactly.
 
 The refusals, the check and the bytes are shown in this process on states planted as the optimizers create them
-(no step: torchao compiles its update at the first one, tens of seconds on a CPU). One fine-tune in this process shows
-a one-process resume bit for bit; two launches show FSDP2 on 2 CPU processes with 8-bit states (about 2 bytes per
-parameter, a finite loss) and their checkpoint resumed on 1 process (another world size).
+(no step: torchao compiles its update at the first one, tens of seconds on a CPU). Two launches show FSDP2 on 2 CPU
+processes with 8-bit states (about 2 bytes per parameter, a finite loss) and their checkpoint resumed on 1 process
+(another world size), the parameters exactly; a one-process resume (bit for bit) is not launched: CI's time goes to
+FSDP2's.
 """
 
 import json
@@ -20,7 +21,7 @@ from accelerate.utils import DistributedType
 
 from accelrun.checkpoint.safe_loading import weights_only_loading
 from accelrun.engines import FSDP2, DeepSpeed, OneProcessOrDDP
-from accelrun.finetune.optim_states import STATE_BYTES, local_problem, moment_kind, optimizer_for
+from accelrun.finetune.optim_states import STATE_BYTES, StatesCheck, local_problem, moment_kind, optimizer_for
 from launching import finetune_args, launch_command, run_command
 
 ENGINE = OneProcessOrDDP(SimpleNamespace(distributed_type=DistributedType.NO))
@@ -67,6 +68,18 @@ def test_a_moment_of_another_dtype_stops_the_run_in_one_line():
     assert problem.startswith("--optim-states 8bit: after the first step a moment (exp_avg_sq, of a parameter of "
                               "shape (128,)) is float32, not bfloat16")
     assert "\n" not in problem
+
+    class Failed(Exception):
+        pass
+
+    def fail(message):
+        raise Failed(message)
+
+    accelerator = SimpleNamespace(num_processes=1)
+    check = StatesCheck("8bit", optimizer, accelerator, SimpleNamespace(fail=fail))
+    assert optimizer.first_step_check is not None  # called by the optimizer's first step (ChecksFirstStep)
+    with pytest.raises(Failed, match=r"is float32, not bfloat16"):
+        check.check(optimizer)
 
 
 def test_loaded_moments_keep_the_dtype_they_were_saved_in_and_load_as_weights_only(tmp_path):
@@ -135,24 +148,6 @@ def resume_from(ckpt, step, into):
     into.mkdir()
     shutil.copytree(ckpt / f"step-{step:08d}", into / f"step-{step:08d}")
     return into
-
-
-@pytest.mark.slow
-def test_8bit_states_resume_bit_for_bit_in_one_process(hf, wide, tmp_path):
-    from in_process import run_main
-    argv = [*finetune_args(hf, "wide"), "--optim-states", "8bit", *STEPS]
-    code, output = run_main("finetune_lm", [*argv, "--output-dir", tmp_path / "a", "--checkpoint-dir",
-                                            tmp_path / "ck"], timeout=600)
-    assert code == 0, output[-3000:]
-    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
-    assert summary["optimizer"] == "AdamW8bitBf16Rest" and summary["optim_states"] == "8bit"
-    assert 2.0 < summary["optimizer_state_bytes_per_param"] < 2.1
-    resume_from(tmp_path / "ck", 3, tmp_path / "ck2")
-    code, output = run_main("finetune_lm", [*argv, "--output-dir", tmp_path / "b", "--checkpoint-dir",
-                                            tmp_path / "ck2"], timeout=600)
-    assert code == 0 and "resumed from" in output, output[-3000:]
-    before, after = losses(tmp_path / "a"), losses(tmp_path / "b")
-    assert sorted(after) == [4, 5, 6] and all(after[s] == before[s] for s in after)  # bit for bit
 
 
 @pytest.mark.slow

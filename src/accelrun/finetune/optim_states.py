@@ -24,15 +24,15 @@ loading: torchao registers the class with torch.serialization.add_safe_globals w
 rebuild sets only tensors and plain fields (checkpoint/safe_loading.py is unchanged).
 """
 
-CHOICES = ("fp32", "bf16", "8bit")
+OPTIM_STATE_CHOICES = ("fp32", "bf16", "8bit")
 # bytes of optimizer state per parameter each choice aims at (the planner's, bench/lm_memory.py): two moments
 STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 2 * 4 / 256}
-BLOCK = 256  # values per 8-bit block: one fp32 scale each (torchao's default)
+QUANT_BLOCK = 256  # values per 8-bit block: one fp32 scale each (torchao's default)
 SMALLEST_QUANTISED = 4096  # torchao quantises a tensor of at least this many values (bitsandbytes' rule)
 
 
 def add_optim_states_args(parser):
-    parser.add_argument("--optim-states", choices=CHOICES, default="fp32",
+    parser.add_argument("--optim-states", choices=OPTIM_STATE_CHOICES, default="fp32",
                         help="the precision of AdamW's two moments: fp32 (8 bytes per parameter), bf16 (4: torchao's "
                              "AdamW arithmetic, stochastic rounding of bf16 weights) or 8bit (about 2: torchao's "
                              "AdamW8bit; tensors under 4,096 values keep bf16 moments). Full fine-tunes under one "
@@ -49,21 +49,33 @@ def flag_problem(args):
 
 def quantised(numel):
     """Whether torchao's AdamW8bit keeps a (local) tensor of numel values in 8 bits."""
-    return numel >= SMALLEST_QUANTISED and numel % BLOCK == 0
+    return numel >= SMALLEST_QUANTISED and numel % QUANT_BLOCK == 0
 
 
 def _optimizers():
     """The two torchao optimizers, their small tensors' moments in bf16 (imported here: torchao only when asked)."""
     import torch
-    from torch.distributed.tensor import DTensor
     from torchao.optim import AdamW8bit, _AdamW
 
     def placed(p, local):
         """The state for parameter p from its local tensor: a DTensor laid out as p where p is one (torchao's)."""
-        if isinstance(p, DTensor):  # a shard may differ in shape across ranks: give the whole shape and stride
-            local = DTensor.from_local(local, device_mesh=p.device_mesh, placements=p.placements, run_check=False,
+        if sharded(p):  # a shard may differ in shape across ranks: give the whole shape and stride
+            local = type(p).from_local(local, device_mesh=p.device_mesh, placements=p.placements, run_check=False,
                                        shape=p.shape, stride=p.stride())
         return local.to(p.device)  # CPU offload: from_local would move it to the mesh's device
+
+    class ChecksFirstStep:
+        """Calls first_step_check (once, if set) after its first step: StatesCheck's, every rank at the same step
+        (accelerate's optimizer steps only at the end of an accumulation)."""
+
+        first_step_check = None
+
+        def step(self, closure=None):
+            loss = super().step(closure)
+            check, self.first_step_check = self.first_step_check, None
+            if check is not None:
+                check()
+            return loss
 
     class KeepsStoredDtypes:
         """torch's Optimizer.load_state_dict casts every loaded floating-point state to its weights' dtype (fp32
@@ -81,23 +93,32 @@ def _optimizers():
                     if self.state[p][key].dtype != dtype:
                         self.state[p][key] = self.state[p][key].to(dtype)
 
-    class AdamWBf16(KeepsStoredDtypes, _AdamW):
+    class AdamWBf16(ChecksFirstStep, KeepsStoredDtypes, _AdamW):
         """AdamW with both moments in bf16, whatever the weights' dtype."""
 
         def _new_buffer(self, p, signed):
-            local = p.to_local() if isinstance(p, DTensor) else p
-            return placed(p, torch.zeros_like(local, dtype=torch.bfloat16))
+            return placed(p, torch.zeros_like(local_part(p), dtype=torch.bfloat16))
 
-    class AdamW8bitBf16Rest(KeepsStoredDtypes, AdamW8bit):
+    class AdamW8bitBf16Rest(ChecksFirstStep, KeepsStoredDtypes, AdamW8bit):
         """torchao's AdamW8bit, the tensors it does not quantise in bf16 rather than in the weights' dtype."""
 
         def _new_buffer(self, p, signed):
-            local = p.to_local() if isinstance(p, DTensor) else p
+            local = local_part(p)
             if quantised(local.numel()):
                 return placed(p, self._subclass_zeros(local, signed, self.block_size))
             return placed(p, torch.zeros_like(local, dtype=torch.bfloat16))
 
     return {"bf16": AdamWBf16, "8bit": AdamW8bitBf16Rest}
+
+
+def sharded(t):
+    """Whether t is FSDP2's DTensor (told by its to_local: the recipes' helpers import nothing of torch.distributed)."""
+    return hasattr(t, "to_local")
+
+
+def local_part(t):
+    """This rank's part of t: a DTensor's local shard, or t itself."""
+    return t.to_local() if sharded(t) else t
 
 
 def optimizer_for(trainable, args, engine):
@@ -121,17 +142,14 @@ def optimizer_for(trainable, args, engine):
 def moments(optimizer):
     """(the local parameter, {state key: its local moment}) of every parameter the stepping optimizer holds state
     for (under FSDP2 this rank's shards)."""
-    from torch.distributed.tensor import DTensor
-
     from ..optimizers import innermost_optimizer
     inner = innermost_optimizer(optimizer)
-    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     for group in inner.param_groups:
         for p in group["params"]:
             state = inner.state.get(p, {})
-            held = {key: local(v) for key, v in state.items() if key != "step" and hasattr(v, "dtype")}
+            held = {key: local_part(v) for key, v in state.items() if key != "step" and hasattr(v, "dtype")}
             if held:
-                yield local(p), held
+                yield local_part(p), held
 
 
 def moment_kind(moment):
@@ -168,28 +186,30 @@ def local_problem(optimizer, asked):
 
 
 class StatesCheck:
-    """After the first optimizer step of a run (a resumed one too): every moment of every rank is of the kind asked
-    for, or the run stops with one line; and the bytes of optimizer state per trained parameter, summed over the
-    ranks (a DDP rank's whole copy counted with the parameters it covers: 8 for fp32 states on any engine)."""
+    """After the first optimizer step of a run (a resumed one too), from inside the optimizer's step (bf16, 8bit):
+    every moment of every rank is of the kind asked for, or the run stops with one line. At the end (summary): the
+    bytes of optimizer state per trained parameter, summed over the ranks (a DDP rank's whole copy counted with the
+    parameters it covers: 8 for fp32 states on any engine)."""
 
-    def __init__(self, asked, accelerator, run):
+    def __init__(self, asked, optimizer, accelerator, run):
         self.asked, self.accelerator, self.run = asked, accelerator, run
-        self.bytes_per_param = None
+        if hasattr(optimizer, "first_step_check"):
+            optimizer.first_step_check = lambda: self.check(optimizer)
 
-    def after_step(self, optimizer):
-        """Call after each micro-batch; acts once, at the first optimizer step. Collective."""
-        if self.bytes_per_param is not None or not self.accelerator.sync_gradients:
-            return
-        import torch
+    def check(self, optimizer):
+        """Collective: stop every rank with the first rank's problem, if one has one."""
         from accelerate.utils import gather_object
-        problem, held, covered = local_problem(optimizer, self.asked)
-        totals = torch.tensor([held, covered], dtype=torch.float64, device=self.accelerator.device)
-        totals = self.accelerator.reduce(totals, "sum")
+        problem = local_problem(optimizer, self.asked)[0]
         problems = gather_object([problem]) if self.accelerator.num_processes > 1 else [problem]
         if first := next((p for p in problems if p), None):
             self.run.fail(first)
-        self.bytes_per_param = round(totals[0].item() / max(totals[1].item(), 1), 4)
 
-    def summary(self):
-        return {"optim_states": self.asked, "optimizer_state_bytes_per_param": self.bytes_per_param}
-
+    def summary(self, optimizer):
+        """Collective: summary.json's optim_states and optimizer_state_bytes_per_param (None before any step)."""
+        import torch
+        _, held, covered = local_problem(optimizer, self.asked)
+        totals = self.accelerator.reduce(torch.tensor([held, covered], dtype=torch.float64,
+                                                      device=self.accelerator.device), "sum")
+        per_param = totals[0].item() / totals[1].item() if totals[1].item() else None
+        return {"optim_states": self.asked,
+                "optimizer_state_bytes_per_param": None if per_param is None else round(per_param, 4)}
