@@ -31,6 +31,7 @@ import argparse
 import torch
 
 from accelrun.finetune.loss_flags import DEFAULT_CHUNK_TOKENS
+from accelrun.finetune.optim_states import STATE_BYTES
 from accelrun.finetune.qlora import NF4_BYTES
 
 # name: (config class, its arguments): the published shapes
@@ -113,11 +114,17 @@ def table(gpus=2, gpu_gb=80.0, tokens=4096, lora_r=0):
 # layers; the embedding, the output layer and the norms stay bf16.
 JOB_MODELS = {"8B": "meta-llama/Llama-3.1-8B", "14B": "Qwen/Qwen2.5-14B", "32B": "Qwen/Qwen2.5-32B",
               "70B": "meta-llama/Llama-3.1-70B"}
-JOBS = ("full", "LoRA", "QLoRA")
+# A full fine-tune with AdamW's moments in fp32 (the default), bf16 or 8 bits (--optim-states: STATE_BYTES, 8, 4 and
+# 2 + 1/32 bytes per parameter); the fp32 master weights and gradients stay (4 + 4 bytes: finetune_lm.py loads a full
+# fine-tune in fp32), so the states go from 16 to 12 or about 10 bytes per parameter, sharded.
+OPTIM_STATES = {"full": "fp32", "full bf16 states": "bf16", "full 8-bit states": "8bit"}
+JOBS = (*OPTIM_STATES, "LoRA", "QLoRA")
 LORA_R = 16
 # The flags each job's plan assumes, in every cell: what a cell copied as printed runs is what was planned (LoRA's
 # --lr is docs/recipes.md's, not a memory matter).
-JOB_FLAGS = {"full": "--gradient-checkpointing", "LoRA": f"--gradient-checkpointing --lora-r {LORA_R} --lr 2e-4",
+JOB_FLAGS = {"full": "--gradient-checkpointing", "full bf16 states": "--gradient-checkpointing --optim-states bf16",
+             "full 8-bit states": "--gradient-checkpointing --optim-states 8bit",
+             "LoRA": f"--gradient-checkpointing --lora-r {LORA_R} --lr 2e-4",
              "QLoRA": f"--gradient-checkpointing --lora-r {LORA_R} --lr 2e-4 --load-in-4bit"}
 COMMAND = ("accelerate launch --config_file accelerate_configs/CONFIG recipes/finetune_lm.py --model MODEL "
            "--data-files DATA")
@@ -143,7 +150,8 @@ def shape_parts(n, s, job, length, sp=1, gpus=2, chunks=None, lora_r=LORA_R, chu
     kv = d // s["num_attention_heads"] * s["num_key_value_heads"]
     linear = layers * (2 * d * d + 2 * d * kv + 3 * d * i)  # the decoder's linear layers: what 4-bit quantises
     per_layer = linear // layers
-    states = {"full": 16 * n, "LoRA": 2 * n + 16 * a, "QLoRA": NF4_BYTES * linear + 2 * (n - linear) + 16 * a}[job]
+    full = {job: (8 + STATE_BYTES[kind]) * n for job, kind in OPTIM_STATES.items()}
+    states = {**full, "LoRA": 2 * n + 16 * a, "QLoRA": NF4_BYTES * linear + 2 * (n - linear) + 16 * a}[job]
     gathered = 2 * per_layer * (NF4_BYTES if job == "QLoRA" else 2)
     tokens = length / sp
     activations = layers * 2 * d * tokens + (24 * d + 8 * i) * tokens
@@ -156,8 +164,11 @@ def job_plan(size, job, length, gpus=2, gpu_gb=80.0):
     """(config key or None, parts of the first way that fits, or of the last tried when none does, the loss's chunk
     size): the 2 GPUs as data-parallel FSDP2 ranks, one sequence each; else both on one sequence (Ulysses, sp 2);
     each with the default chunks of the loss, else SMALL_CHUNK_TOKENS (one sequence per GPU holds fewer loss
-    positions than the default chunk: smaller chunks hold fewer logits)."""
-    for key, sp in (("fsdp", 1), ("sp2", 2)):
+    positions than the default chunk: smaller chunks hold fewer logits). Low-precision optimizer states: FSDP2 only
+    (DeepSpeed refuses --optim-states)."""
+    # DeepSpeed keeps its own fp32 optimizer states: --optim-states bf16 or 8bit only under FSDP2 (or DDP)
+    ways = (("fsdp", 1),) if OPTIM_STATES.get(job, "fp32") != "fp32" else (("fsdp", 1), ("sp2", 2))
+    for key, sp in ways:
         for chunk_tokens in (DEFAULT_CHUNK_TOKENS, SMALL_CHUNK_TOKENS):
             parts = job_parts(JOB_MODELS[size], job, length, sp, gpus, chunk_tokens=chunk_tokens)
             if sum(parts.values()) < gpu_gb:

@@ -71,6 +71,8 @@ from accelrun.finetune.attention import add_attention_args, flag_problem
 from accelrun.finetune.examples import add_data_args
 from accelrun.finetune.lora import add_lora_args, flags_without_rank
 from accelrun.finetune.loss_flags import add_loss_args, loss_chunking_problem
+from accelrun.finetune.optim_states import add_optim_states_args
+from accelrun.finetune.optim_states import flag_problem as states_flag_problem
 from accelrun.finetune.qlora import add_qlora_args, without_lora
 from accelrun.flags import DefaultOnce
 
@@ -95,6 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (0: no clipping)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
+    add_optim_states_args(p)  # --optim-states: AdamW's moments in fp32, bf16 or 8 bits (finetune/optim_states.py)
     add_loss_args(p)  # --loss-chunk-tokens or --loss-chunks (accelrun/finetune/loss_flags.py, chunked_loss.py)
     add_attention_args(p)  # --attention: what keeps packed examples apart (accelrun/finetune/attention.py)
     add_lora_args(p)  # --lora-r and the adapters' settings (finetune/lora.py); OUTPUT_DIR gets -lora-r<R>
@@ -116,7 +119,7 @@ def parse_args(argv=None):
     add_run_args(p, "finetune_lm", log_every=10)
     args = p.parse_args(argv)
     if problem := (flags_without_rank(args, sys.argv[1:] if argv is None else argv) or without_lora(args)
-                   or loss_chunking_problem(args) or flag_problem(args)):
+                   or loss_chunking_problem(args) or flag_problem(args) or states_flag_problem(args)):
         p.error(problem)  # decided from the flags alone: before anything is imported or loaded
     return args
 
@@ -137,16 +140,17 @@ from accelerate.utils import (
 from torch.utils.data import DataLoader
 
 from accelrun import Run
-from accelrun.engines import run_label
+from accelrun.engines import Engine, run_label
 from accelrun.finetune.attention import block_mask, choose, device_problem, register
 from accelrun.finetune.chunked_loss import install, token_losses, with_loss_count
 from accelrun.finetune.examples import IGNORE, DataProblem, cut_note, load_examples
 from accelrun.finetune.export import export
 from accelrun.finetune.loss_flags import loss_chunking
+from accelrun.finetune.optim_states import StatesCheck, optimizer_for
 from accelrun.finetune.packing import attention_implementation, block_causal_mask, blocks_note
 from accelrun.finetune.pretrained import load_config_and_tokenizer, load_model, zero3_lora_note
 from accelrun.finetune.qlora import checked_base, dequantized_base
-from accelrun.finetune.training import adamw, check_block_size, warmup_cosine
+from accelrun.finetune.training import check_block_size, warmup_cosine
 from accelrun.finetune.ulysses import SequenceParallel, host_count, in_loss, loss_targets
 from accelrun.finetune.weights import base_fingerprint
 
@@ -157,6 +161,15 @@ def default_output_dir(args, accelerator):
     lora = f"-{'q' if args.load_in_4bit else ''}lora-r{args.lora_r}" if args.lora_r else ""
     label = run_label(accelerator) + lora
     return os.path.join("runs", "finetune_lm", label + ("" if args.packing else "-padded"))
+
+
+def build_optimizer(trainable, args, accelerator, run):
+    """(AdamW over the trainable parameters with its moments in --optim-states' precision, the check of them after the
+    first step: accelrun/finetune/optim_states.py); an engine that cannot keep them is refused in one line."""
+    optimizer, problem = optimizer_for(trainable, args, Engine.of(accelerator))
+    if problem:
+        run.fail(problem)
+    return optimizer, StatesCheck(args.optim_states, optimizer, accelerator, run)
 
 
 def check_sequence_parallel(sp, args, config, accelerator, run):
@@ -287,9 +300,8 @@ def main(argv=None):
     run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm,
               default_output_dir=default_output_dir(args, accelerator))
     set_seed(args.seed)
-    if error:
-        run.fail(error)
-    if problem := device_problem(args, accelerator.device.type):  # --attention flex without CUDA: before any loading
+    # the model's config unreadable, or --attention flex without CUDA: before any loading
+    if problem := error or device_problem(args, accelerator.device.type):
         run.fail(problem)
     check_block_size(args, config, run.fail)
     sp = SequenceParallel.of(accelerator)  # Ulysses: each sequence split over a group of processes (or off)
@@ -315,7 +327,7 @@ def main(argv=None):
     # The evaluated examples, read to the end; accelerate fills a short last batch: shapes stay static. Under
     # sequence parallelism whole sequences, split over all processes (a group's worth per micro-batch).
     val_loader = DataLoader(data.validation, batch_size=micro * sp.size, pin_memory=pin, collate_fn=with_loss_count)
-    optimizer = adamw(trainable, args)
+    optimizer, states = build_optimizer(trainable, args, accelerator, run)  # AdamW, its moments as --optim-states
     steps_per_epoch = len(train_loader) // args.grad_accum
     if steps_per_epoch == 0:
         run.fail(f"{len(data.train)} training blocks ({data.facts['train_examples']} examples) do not fill one "
@@ -356,7 +368,7 @@ def main(argv=None):
                 optimizer.zero_grad()
             if run.step(loss):  # a stop signal, or the last step
                 break
-    return finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base, kind)
+    return finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base, kind, states.summary(optimizer))
 
 
 def attention_for(args, config, accelerator, data, sp, run):
@@ -376,8 +388,9 @@ def attention_for(args, config, accelerator, data, sp, run):
     return kind, attention, block_causal_mask if attention is not None else None
 
 
-def finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base, kind):
-    """The greedy answer to a held-out prompt, then run.finish: the export and the summary (with the data's facts)."""
+def finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base, kind, states):
+    """The greedy answer to a held-out prompt, then run.finish: the export and the summary (with the data's facts and
+    states, the optimizer states' fields)."""
     sample, dequantized = {}, {}
     if args.sample_tokens and not run.stopping:
         sample = greedy_answer(model, accelerator, tokenizer, data.sample, data.format, args)
@@ -389,7 +402,7 @@ def finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base,
     return run.finish(model, export=functools.partial(export, model=model, accelerator=accelerator,
                                                       tokenizer=tokenizer, args=args, output_dir=run.output_dir,
                                                       base_weights=base.get("base_weights"), dequantized=dequantized),
-                      attention=kind,
+                      attention=kind, **states,
                       exported_dtype=args.save_dtype, base_model=args.model, data_format=data.format,
                       data_source=data.source, block_size=args.block_size,
                       gradient_checkpointing=args.gradient_checkpointing, **data.facts, **lora, **sample, **data.cuts)

@@ -65,11 +65,12 @@ def test_each_cell_copied_as_printed_runs_what_was_planned():
                 assert (REPO / lm_memory.SHARDED[key]).is_file()
                 args = parse_args(["--model", model, "--data-files", "DATA", *flags])
                 assert args.block_size == length and args.gradient_checkpointing, cell
-                assert args.lora_r == (0 if job == "full" else lm_memory.LORA_R), cell
+                assert args.lora_r == (0 if job in lm_memory.OPTIM_STATES else lm_memory.LORA_R), cell
+                assert args.optim_states == lm_memory.OPTIM_STATES.get(job, "fp32"), cell
                 assert args.load_in_4bit == (job == "QLoRA"), cell
                 assert args.loss_chunks is None, cell  # the token form: the default, or the smaller chunks planned
                 assert args.loss_chunk_tokens == (None if chunk_tokens == lm_memory.DEFAULT_CHUNK_TOKENS
                                                   else chunk_tokens), cell
                 assert args.packing == (key == "fsdp"), cell
                 cells += 1
-    assert cells == 25  # 8B 9, 14B 6, 32B 6, 70B 4
+    assert cells == 32  # 8B 15, 14B 7 (8-bit states at 2k), 32B 6, 70B 4

@@ -118,6 +118,8 @@ class MetricsLog:
             self.file = open_log(path, kept)  # a new file over the name: a link planted there is not followed
 
     def write(self, record):
+        # torchao's optimizers (--optim-states) keep the learning rate as a 0-d tensor: written as its number
+        record = {k: v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for k, v in record.items()}
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()

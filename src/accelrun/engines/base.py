@@ -195,6 +195,16 @@ class Engine:
         """gradient_sync's answer with several processes: the parameters' own dtype."""
         return {"grad_reduce_dtype": dtype_name(next(model.parameters()).dtype), "overlap_comm": None}
 
+    # ---- the optimizer's states (--optim-states: finetune/optim_states.py) -------------------------------------
+    def optimizer_states_problem(self, kind):
+        """None, or why this engine cannot keep AdamW's moments in `kind` (bf16, 8bit) through the recipe's
+        optimizer (one line naming what to use)."""
+        return None
+
+    def optimizer_problem(self, optimizer):
+        """None, or why this engine cannot step `optimizer` (one line naming why)."""
+        return None
+
     # ---- the model built, the weights exported ---------------------------------------------------------------
     @contextlib.contextmanager
     def building(self, from_pretrained=False, quantized=False):

@@ -87,6 +87,15 @@ class FSDP2(Engine):
         dtype = policy.reduce_dtype or policy.param_dtype or next(model.parameters()).dtype
         return {"grad_reduce_dtype": dtype_name(dtype), "overlap_comm": None}
 
+    def optimizer_problem(self, optimizer):
+        """bitsandbytes' 8-bit optimizers (AdamW8bit, PagedAdamW8bit...) mix plain tensors and FSDP2's DTensors at
+        their first step and crash there (bitsandbytes issues 89 and 1633); torchao's 8-bit AdamW handles them."""
+        if type(optimizer).__module__.split(".")[0] == "bitsandbytes":
+            return (f"{type(optimizer).__name__} (bitsandbytes) cannot step FSDP2's sharded parameters: it fails at "
+                    f"its first step mixing torch.Tensor and DTensor (bitsandbytes issues 89, 1633); use "
+                    f"--optim-states 8bit (torchao's AdamW8bit)")
+        return None
+
     @contextlib.contextmanager
     def building(self, from_pretrained=False, quantized=False):
         if from_pretrained and quantized:

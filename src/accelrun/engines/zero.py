@@ -133,6 +133,13 @@ class DeepSpeed(Engine):
     def label_name(self):
         return f"zero{self.stage}"
 
+    def optimizer_states_problem(self, kind):
+        """DeepSpeed steps its own optimizer over its fp32 partitions (or DeepSpeedCPUAdam under offload), whatever the
+        recipe builds: low-precision moments cannot be asked of it through the recipe."""
+        return (f"--optim-states {kind} is not available under DeepSpeed, which keeps its own fp32 optimizer states: "
+                f"use accelerate_configs/fsdp.yaml (FSDP2) or a DDP config, or here deepspeed_zero3_offload.yaml to "
+                f"move the states to the CPU")
+
     def clip_like(self, max_grad_norm):
         """DeepSpeed clips gradients itself, and accelerate turns the config's 'auto' into a clipping norm of 1.0,
         while DDP and FSDP never clip on their own: make DeepSpeed clip like the recipe's flag (0: not at all), so

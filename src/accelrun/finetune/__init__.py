@@ -11,6 +11,7 @@
     chunked_loss.py  the next-token loss through the output layer in chunks: the logits never whole
     loss_flags.py    --loss-chunk-tokens, --loss-chunks (the standard library only: --help answers without torch)
     ulysses.py       Ulysses sequence parallelism: one sequence over several GPUs
+    optim_states.py  --optim-states: AdamW's moments in fp32, bf16 or 8 bits (torchao), checked after the first step
     training.py      --block-size's check, AdamW and the warm-up then cosine schedule, as both recipes set them
     export.py        the exported model and adapter directories, with the merge
     preference.py    DPO: preference records, their sequences' log-probabilities, the reference and the loss
