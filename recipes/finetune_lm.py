@@ -169,7 +169,7 @@ def build_optimizer(trainable, args, accelerator, run):
     optimizer, problem = optimizer_for(trainable, args, Engine.of(accelerator))
     if problem:
         run.fail(problem)
-    return optimizer, StatesCheck(args.optim_states, optimizer, accelerator, run)
+    return optimizer, StatesCheck(args.optim_states, optimizer, accelerator, run.fail)
 
 
 def check_sequence_parallel(sp, args, config, accelerator, run):

@@ -76,7 +76,7 @@ def test_a_moment_of_another_dtype_stops_the_run_in_one_line():
         raise Failed(message)
 
     accelerator = SimpleNamespace(num_processes=1)
-    check = StatesCheck("8bit", optimizer, accelerator, SimpleNamespace(fail=fail))
+    check = StatesCheck("8bit", optimizer, accelerator, fail)
     assert optimizer.first_step_check is not None  # called by the optimizer's first step (ChecksFirstStep)
     with pytest.raises(Failed, match=r"is float32, not bfloat16"):
         check.check(optimizer)

@@ -191,8 +191,9 @@ class StatesCheck:
     bytes of optimizer state per trained parameter, summed over the ranks (a DDP rank's whole copy counted with the
     parameters it covers: 8 for fp32 states on any engine)."""
 
-    def __init__(self, asked, optimizer, accelerator, run):
-        self.asked, self.accelerator, self.run = asked, accelerator, run
+    def __init__(self, asked, optimizer, accelerator, fail):
+        """fail: ends the run with one line on every rank (the recipe's run.fail)."""
+        self.asked, self.accelerator, self.fail = asked, accelerator, fail
         if hasattr(optimizer, "first_step_check"):
             optimizer.first_step_check = lambda: self.check(optimizer)
 
@@ -202,7 +203,7 @@ class StatesCheck:
         problem = local_problem(optimizer, self.asked)[0]
         problems = gather_object([problem]) if self.accelerator.num_processes > 1 else [problem]
         if first := next((p for p in problems if p), None):
-            self.run.fail(first)
+            self.fail(first)
 
     def summary(self, optimizer):
         """Collective: summary.json's optim_states and optimizer_state_bytes_per_param (None before any step)."""
