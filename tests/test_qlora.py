@@ -136,6 +136,52 @@ def test_fsdp2_leaving_the_4bit_base_whole_is_refused_in_one_line(hf):
     assert base_note(model, fsdp=False, world=2)[0] is None and base_note(model, fsdp=True, world=1)[0] is None
 
 
+def test_merge_lora_on_a_4bit_base_is_the_dequantised_base_plus_the_adapters(hf, tmp_path):
+    """--merge-lora on a 4-bit base (export.export, the path finetune_lm.py and dpo.py share): every adapted layer of
+    the written model is that layer's NF4 weight dequantised plus alpha/r * B @ A (nonzero adapters), computed here
+    apart from the export's own merge; every other tensor is --model's; and the adapter written beside it is the
+    adapters. Merging into the packed 4-bit weights instead of the dequantised base fails here."""
+    import types
+
+    from bitsandbytes.functional import dequantize_4bit
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from accelrun.finetune.export import export
+    from accelrun.finetune.lora import with_lora
+    from accelrun.finetune.qlora import dequantized_base, four_bit_layers
+    from finetune_lm import parse_args
+    args = parse_args(["--model", str(hf / "model"), "--lora-r", "4", "--lora-alpha", "8", "--load-in-4bit",
+                       "--merge-lora", "--save-dtype", "float32"])
+    model = with_lora(tiny_4bit(hf, torch.float32), args)
+    for name, p in model.named_parameters():
+        if "lora_" in name:  # PEFT starts B at zero: random adapters, so that the product matters
+            p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) / 8
+    expected = {}
+    for name, module in four_bit_layers(model):
+        layer = model.get_submodule(name.removesuffix(".base_layer"))
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        assert layer.scaling["default"] == 2.0  # alpha 8 / r 4
+        base = dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+        expected[name.removeprefix("base_model.model.").removesuffix(".base_layer") + ".weight"] = (
+            base + 2.0 * (b @ a)).detach()
+    assert len(expected) == 14
+    weights = {k: (v.float() if v.is_floating_point() else v).clone() for k, v in model.state_dict().items()}
+    accelerator = types.SimpleNamespace(unwrap_model=lambda m, keep_torch_compile=False: m)  # one process
+    export(weights, model, accelerator, AutoTokenizer.from_pretrained(hf / "model"), args, tmp_path,
+           dequantized=dequantized_base(model, keep=True))
+    merged, original = load_file(tmp_path / "model" / "model.safetensors"), load_file(hf / "model" / "model.safetensors")
+    assert merged.keys() == original.keys()
+    for key, value in merged.items():
+        if key in expected:
+            assert torch.allclose(value, expected[key], atol=1e-6, rtol=0), key
+            assert (value - original[key]).abs().max() > 1e-2, key  # the adapters are in it
+        else:
+            assert torch.equal(value, original[key].float()), key
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert len(adapter) == 28 and all(".lora_A." in k or ".lora_B." in k for k in adapter)
+
+
 # ---- launched -------------------------------------------------------------------------------------------------------
 
 def logprobs_of(model, summary, bf16):
