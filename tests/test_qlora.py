@@ -2,7 +2,8 @@
 NF4 through bitsandbytes, which trains NF4 on the CPU.
 
 In-process: the refusals (--load-in-4bit without --lora-r; FSDP2 leaving the 4-bit base whole), what the 4-bit layers
-store against the planner's NF4 model (bench/lm_memory.py), and the 4-bit layers set for training (an evaluation
+store against the planner's NF4 model (bench/lm_memory.py), --merge-lora's weights against the dequantised base plus
+the adapters' product (the export finetune_lm.py and dpo.py share), and the 4-bit layers set for training (an evaluation
 between two steps, as every run makes one, left their weights as they were and the gradient flowing).
 
 Launched (slow), one launch per engine serving every assertion about it: one process and DDP (fp32, step for step
@@ -170,7 +171,7 @@ def test_merge_lora_on_a_4bit_base_is_the_dequantised_base_plus_the_adapters(hf,
     accelerator = types.SimpleNamespace(unwrap_model=lambda m, keep_torch_compile=False: m)  # one process
     export(weights, model, accelerator, AutoTokenizer.from_pretrained(hf / "model"), args, tmp_path,
            dequantized=dequantized_base(model, keep=True))
-    merged, original = load_file(tmp_path / "model" / "model.safetensors"), load_file(hf / "model" / "model.safetensors")
+    merged, original = (load_file(d / "model" / "model.safetensors") for d in (tmp_path, hf))
     assert merged.keys() == original.keys()
     for key, value in merged.items():
         if key in expected:
