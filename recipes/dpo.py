@@ -242,8 +242,9 @@ def main(argv=None):
     chunks, chunk_tokens = loss_chunking(args)  # --loss-chunks N, or chunks of --loss-chunk-tokens loss positions
     chunking = (chunks, accelerator.state.dynamo_plugin.backend.value != "NO", chunk_tokens)
     head = install(model, *chunking)
-    # LoRA's frozen base, and any reference computed again on resume, are --model's weights: a resume checks them
-    base = {"base_weights": base_fingerprint(args.model)}
+    # LoRA's frozen base, and a full fine-tune's reference (loaded again on resume), are --model's weights: a resume
+    # checks them (LoRA's under finetune_lm's name and refusal; a full fine-tune's as one more setting that differs)
+    base = {"base_weights" if args.lora_r else "reference_weights": base_fingerprint(args.model)}
     trainable = [p for p in model.parameters() if p.requires_grad]
     trained = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
     micro = args.batch_size // args.grad_accum

@@ -137,12 +137,13 @@ def test_engines_agree_step_by_step_from_ln2(dpo, config):
     one, run = dpo("cpu.yaml"), dpo(config)
     assert_engine(run.summary, config)
     assert one.summary["val_reward_accuracy"] >= 0.9 and run.summary["val_reward_accuracy"] > 0.5
-    assert one.summary["first_loss"] == run.summary["first_loss"] == 0.6931
+    assert round(one.summary["first_loss"], 4) == round(run.summary["first_loss"], 4) == 0.6931  # as printed
     first = [[m["loss"] for m in r.metrics][:5] for r in (one, run)]
     assert first[0][0] == pytest.approx(LN2, abs=1e-6) and first[1][0] == pytest.approx(LN2, abs=1e-6)
     assert first[1] == pytest.approx(first[0], rel=1e-4)
-    # After 60 steps at lr 1e-2 the reduction order's rounding has grown (80 steps: 0.2199 against 0.2217)
-    assert run.summary["val_loss"] == pytest.approx(one.summary["val_loss"], rel=1e-2)
+    # After 60 steps at lr 1e-2 the reduction order's rounding has grown (FSDP2: 0.31660 against 0.31655; at 80
+    # steps 0.2217 against 0.2210), most under ZeRO-3's partitioned reductions
+    assert run.summary["val_loss"] == pytest.approx(one.summary["val_loss"], rel=1e-3 if config == "fsdp.yaml" else 1e-2)
 
 
 @pytest.fixture(scope="module")
