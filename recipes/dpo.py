@@ -170,7 +170,8 @@ def frozen_reference(args, run, accelerator, attention, chunking):
     head = install(model, *chunking)  # the policy's chunked loss: no whole logits in fp32
     if run.engine.partitions_parameters:  # ZeRO-3
         import deepspeed
-        config = {k: v for k, v in accelerator.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
+        config = {k: v for k, v in accelerator.deepspeed_config.items()  # accelerate: the policy's, resolved
+                  if k not in ("optimizer", "scheduler")}
         model = deepspeed.initialize(model=model, config=config)[0]  # no optimizer: inference only
     elif run.engine.family == "fsdp":
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
@@ -178,7 +179,7 @@ def frozen_reference(args, run, accelerator, attention, chunking):
     else:
         model = model.to(accelerator.device)
     model.eval()
-    autocast = accelerator.autocast if run.engine.autocasts else contextlib.nullcontext  # as the policy's forward
+    autocast = accelerator.autocast if run.engine.autocasts else contextlib.nullcontext  # accelerate: as the policy's
     return functools.partial(frozen_copy_logps, model, head=head, autocast=autocast)
 
 
