@@ -7,6 +7,8 @@
     python bench/benchmark.py --recipe gpt --preset 124M --mixed-precision bf16 --configs 1gpu_compile.yaml
     python bench/benchmark.py --recipe finetune_lm --configs 1gpu.yaml --batch-size 8 \
         --recipe-args "--model my-llama --data-files chat.jsonl --block-size 1024"
+    python bench/benchmark.py --recipe dpo --configs 1gpu.yaml --batch-size 8 \
+        --recipe-args "--model my-llama --data-files prefs.jsonl --lora-r 16"   # DPO: --batch-size counts pairs
     python bench/benchmark.py --gpu-table                      # on a GPU: python gpu_check/gpu_table.py
 
 Every run has the same global batch, seed, step count and precision (--mixed-precision, fp32 by
@@ -55,9 +57,10 @@ CONFIGS = REPO / "accelerate_configs"
 CPU_SHIM = REPO / "cpu_route"
 MULTI_PROCESS_CONFIGS = ["2gpu.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
                          "deepspeed_zero3_offload.yaml", "fsdp.yaml"]
-DEFAULT_TARGET_LOSS = {"mnist": 0.3, "gpt": 3.0, "resnet": 0.5, "finetune_lm": 1.0}
-# Global; resnet below its recipe's 256, for CPUs; finetune_lm: the GPU table's fine-tune, 8 blocks of 1024.
-DEFAULT_BATCH = {"mnist": 128, "gpt": 32, "resnet": 64, "finetune_lm": 8}
+DEFAULT_TARGET_LOSS = {"mnist": 0.3, "gpt": 3.0, "resnet": 0.5, "finetune_lm": 1.0, "dpo": 0.5}
+# Global; resnet below its recipe's 256, for CPUs; finetune_lm: the GPU table's fine-tune, 8 blocks of 1024; dpo: 8
+# pairs (16 sequences).
+DEFAULT_BATCH = {"mnist": 128, "gpt": 32, "resnet": 64, "finetune_lm": 8, "dpo": 8}
 BASELINES = {"ddp-by-hand (per-sample ToTensor)": "per-sample", "ddp-by-hand (tensor pipeline)": "tensor"}
 DDP = "2gpu.yaml"
 # CONFIG+VARIANT in --configs: a shipped config with one change, for the comparisons of --gpu-table.
@@ -74,7 +77,7 @@ LEAN_SHARED_FLAGS = {"--block-size": 1, "--dropout": 1, "--no-batchnorm": 0, "--
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--recipe", choices=["mnist", "gpt", "resnet", "finetune_lm"], default="mnist")
+    p.add_argument("--recipe", choices=["mnist", "gpt", "resnet", "finetune_lm", "dpo"], default="mnist")
     p.add_argument("--configs", nargs="+", default=MULTI_PROCESS_CONFIGS, help="files in accelerate_configs/")
     p.add_argument("--no-baselines", action="store_true", help="MNIST only: skip the two hand-written DDP runs")
     p.add_argument("--no-lean", action="store_true",
@@ -82,14 +85,14 @@ def parse_args(argv=None):
                         "adds when --configs has none")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     p.add_argument("--batch-size", type=int, default=0,
-                   help="GLOBAL batch (0: mnist 128, gpt 32, resnet 64, finetune_lm 8)")
+                   help="GLOBAL batch (0: mnist 128, gpt 32, resnet 64, finetune_lm 8, dpo 8 pairs)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
                    help="override every config's precision (the baselines are fp32)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each, interleaved; the report takes medians")
     p.add_argument("--log-every", type=int, default=10, help="loss records per run, for the time to --target-loss")
     p.add_argument("--target-loss", type=float, default=None,
-                   help="default: mnist 0.3, gpt 3.0, resnet 0.5, finetune_lm 1.0")
+                   help="default: mnist 0.3, gpt 3.0, resnet 0.5, finetune_lm 1.0, dpo 0.5")
     p.add_argument("--target-accuracy", type=float, default=0.95, help="test accuracy (mnist, resnet), 0..1")
     p.add_argument("--train-size", type=int, default=20000, help="mnist: synthetic training digits")
     p.add_argument("--test-size", type=int, default=2000, help="mnist: synthetic test digits")
@@ -257,6 +260,8 @@ def plan_runs(args, processes, on_gpu, data_root):
                        "--eval-every", str(args.steps), *common]
     elif args.recipe == "finetune_lm":  # --model and --data-files come in --recipe-args
         recipe_args = ["--max-steps", str(args.steps), "--sample-tokens", "0", "--eval-every", str(args.steps), *common]
+    elif args.recipe == "dpo":  # --model and --data-files (preference pairs) come in --recipe-args
+        recipe_args = ["--max-steps", str(args.steps), "--eval-every", str(args.steps), *common]
     else:
         recipe_args = ["--max-steps", str(args.steps), "--epochs", "1000", *common]
     recipe_args += args.recipe_args.split()

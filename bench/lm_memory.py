@@ -2,6 +2,7 @@
 a full fine-tune, and LoRA (--lora-r).
 
     python bench/lm_memory.py [--gpus 2] [--gpu-gb 80] [--tokens-per-gpu 4096] [--lora-r 16]
+    python bench/lm_memory.py --jobs   # the long-context table; --dpo: DPO's (recipes/dpo.py, below DPO_JOBS)
 
 Computed, not measured: the parameter counts come from the real architectures built on the meta
 device (no download), the bytes per parameter from what each engine keeps, and the activations
@@ -203,6 +204,53 @@ def jobs_table(gpus=2, gpu_gb=80.0):
     return "\n".join(lines)
 
 
+# DPO (recipes/dpo.py, --dpo): one pair per data-parallel rank, its chosen and rejected sequences of `length` tokens
+# each on the same rank (2 x length tokens in the step's activations), every job with --gradient-checkpointing and
+# the default chunks of the loss, on fsdp.yaml (Ulysses is finetune_lm.py's alone). The reference adds no
+# activations (its forward runs without gradient, one layer at a time); what it holds: LoRA and QLoRA nothing (the
+# adapters disabled), a full fine-tune with --precompute-ref nothing (a table of two numbers per pair), and a full
+# fine-tune with its frozen reference a bf16 copy of the weights sharded like the policy (2 bytes per parameter / G).
+DPO_JOBS = {"LoRA": ("LoRA", f"--gradient-checkpointing --lora-r {LORA_R} --lr 5e-6", 0),
+            "QLoRA": ("QLoRA", f"--gradient-checkpointing --lora-r {LORA_R} --lr 5e-6 --load-in-4bit", 0),
+            "full, precomputed reference": ("full", "--gradient-checkpointing --precompute-ref", 0),
+            "full, frozen reference": ("full", "--gradient-checkpointing", 2)}
+DPO_MODELS = {"1B": "meta-llama/Llama-3.2-1B", "3B": "meta-llama/Llama-3.2-3B", **JOB_MODELS}
+DPO_COMMAND = ("accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/dpo.py --model MODEL "
+               "--data-files PAIRS --batch-size 2")
+
+
+def dpo_parts(name, job, length, gpus=2):
+    """GB per GPU of one DPO job (DPO_JOBS) on `gpus` FSDP2 ranks, one pair of two `length`-token sequences each:
+    the policy's parts (shape_parts on 2 x length tokens) and the reference's weights."""
+    base, _, reference_bytes = DPO_JOBS[job]
+    n, s = parameters(name.split("/")[-1])
+    parts = shape_parts(n, s, base, 2 * length, gpus=gpus)
+    parts["reference"] = reference_bytes * n / gpus / 1e9
+    return parts
+
+
+def dpo_table(gpus=2, gpu_gb=80.0):
+    """docs/recipes.md's DPO table: for each model, DPO job and length (tokens of each of a pair's sequences), the
+    GB per GPU and `--block-size L` where it fits, else the largest part; a job that fits at no length is left out."""
+    models = ", ".join(f"{size} `{model}`" for size, model in DPO_MODELS.items())
+    lines = [f"Each cell that fits completes `{DPO_COMMAND}` (MODEL: the row's, {models}) with the row's flags and "
+             f"the cell's --block-size; each that does not names the largest part (GB per GPU, {gpus} GPUs of "
+             f"{gpu_gb:.0f} GB; a job that fits at none of these lengths is left out):", "",
+             f"| DPO job | flags | {' | '.join(f'{n // 1024}k tokens' for n in LENGTHS)} |", "|---|---|---|---|---|"]
+    for size, model in DPO_MODELS.items():
+        for job, (_, flags, _) in DPO_JOBS.items():
+            cells = []
+            for length in LENGTHS:
+                parts = dpo_parts(model, job, length, gpus)
+                total = sum(parts.values())
+                worst = max(parts, key=parts.get)
+                cells.append(f"{total:.0f} GB: `--block-size {length}`" if total < gpu_gb else
+                             f"**no** ({total:.0f} GB): {worst} {parts[worst]:.1f} GB")
+            if not all(cell.startswith("**no**") for cell in cells):
+                lines.append(f"| {size} {job} | `{flags}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpus", type=int, default=2, help="GPUs sharing the model states")
@@ -211,7 +259,13 @@ if __name__ == "__main__":
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank of the second table (0: no LoRA table)")
     p.add_argument("--jobs", action="store_true",
                    help="instead: the long-context table (8B to 70B, full / LoRA / QLoRA, 2k / 8k / 32k tokens)")
+    p.add_argument("--dpo", action="store_true",
+                   help="instead: DPO's table (recipes/dpo.py: LoRA, QLoRA, full with a precomputed or a frozen "
+                        "reference; 2k / 8k / 32k tokens per sequence)")
     a = p.parse_args()
+    if a.dpo:
+        print(dpo_table(a.gpus, a.gpu_gb))
+        raise SystemExit(0)
     if a.jobs:
         print(jobs_table(a.gpus, a.gpu_gb))
         raise SystemExit(0)

@@ -6,11 +6,12 @@
     python gpu_check/gpu_table.py --dry-run --budget-s 330  # the plan: the parts in order, what the budget reaches
 
 Owns the table's parts (PARTS: one bench/benchmark.py run each), the inputs they need made on the machine (striped
-images, the 1B Llama shape with accelrun.data.tiny_hf's tokenizer, uneven chat data: nothing is downloaded), the
-compile warm-ups, the budget, and what it writes: OUT/table.md (the parts side by side with the goals of the issues
-that asked for them), OUT/table.json (every row, every part's status) and OUT/failures.log (the end of each failed
-run's log), all three rewritten the moment each part ends. OUT is --out (the GPU check gives its own folder), else
-bench/results/<date>-<gpu>/; the parts' own reports, logs, runs and the inputs stay in .gpu/table/<date>-<gpu>/.
+images, the 1B Llama shape with accelrun.data.tiny_hf's tokenizer, uneven chat data and DPO pairs drawn from it:
+nothing is downloaded), the compile warm-ups, the budget, and what it writes: OUT/table.md (the parts side by side
+with the goals of the issues that asked for them), OUT/table.json (every row, every part's status) and
+OUT/failures.log (the end of each failed run's log), all three rewritten the moment each part ends. OUT is --out (the
+GPU check gives its own folder), else bench/results/<date>-<gpu>/; the parts' own reports, logs, runs and the inputs
+stay in .gpu/table/<date>-<gpu>/.
 
 How it runs (issue 42: the first contact spent 440 s on 3 of 5 parts, mostly in process start-up and compilation;
 six warm-ups at once, each with 16 inductor workers, left the 1B compile unfinished):
@@ -56,6 +57,9 @@ LORA = "--lora-r 16"
 # with FlexAttention's block mask (--attention flex), packed with SDPA's dense mask (--attention sdpa) and padded.
 LONG = "--model {llama} --data-files {chats} --eval-batches 1 --eval-every 1000"
 BLOCKS = {4096: "--block-size 4096 --batch-size 2", 8192: "--block-size 8192 --batch-size 1"}
+# Issue 56 (DPO): LoRA r 16 on the 1B shape, pairs of answers to the chats' questions (pairs.jsonl, written here),
+# each sequence in a block of 1024, 8 pairs (16 sequences) a step; the reference is the adapters disabled.
+DPO = "--model {llama} --data-files {pairs} --block-size 1024 --eval-batches 1 --lora-r 16"
 ATTENTION_FORMS = {"flex": "--packing --attention flex", "dense": "--packing --attention sdpa",
                    "padded": "--no-packing --attention sdpa"}
 
@@ -135,6 +139,10 @@ PARTS = [
          "LoRA r 16 on the 4-bit (NF4) base (bitsandbytes, from .gpu/w): peak memory and tokens/s against "
          "finetune-lora's eager run", 45, first=True),
     *attention_parts(),
+    Part("dpo-lora", ("--recipe", "dpo", "--configs", EAGER, "--steps", "10", "--batch-size", "8",
+                      "--recipe-args", DPO),
+         "1B Llama shape, LoRA r 16 DPO (recipes/dpo.py) on pairs of the chats' answers, the reference the adapters "
+         "disabled: real tokens/s and peak memory", 40, first=True),
     Part("gpt", ("--recipe", "gpt", "--preset", "124M", "--configs", *FULL, "--steps", "60"),
          "GPT-124M: throughput, MFU, recipe / lean loop (goal compiled), compile speed-up", 70, 70, 12),
     Part("mnist", ("--recipe", "mnist", "--configs", *FULL, "--no-baselines", "--steps", "200", "--batch-size", "512"),
@@ -367,6 +375,21 @@ def write_finetune_inputs(root, shape=LLAMA_1B, device="cuda"):
         "over_1024": sum(n > 1024 for n in lengths) / len(lengths)}
 
 
+def write_preference_pairs(path, n=CHATS // 4, seed=0):
+    """path: DPO's records from chat_conversations (recipes/dpo.py, chat messages): the prompt a conversation's
+    first question (a short prompt: never longer than the block), chosen its answer, rejected the next
+    conversation's first answer."""
+    import json
+    chats = [c["messages"] for c in chat_conversations(n, seed)]
+    first = [next(k for k, m in enumerate(messages) if m["role"] == "assistant") for messages in chats]
+    with open(path, "w") as f:
+        for k, messages in enumerate(chats):
+            j = (k + 1) % len(chats)
+            f.write(json.dumps({"prompt": messages[:first[k]], "chosen": [messages[first[k]]],
+                                "rejected": [chats[j][first[j]]]}) + "\n")
+    return path
+
+
 def write_inputs(out, parts):
     """The inputs the selected parts need, in out/inputs/: {name: path}, and what they hold."""
     root = out / "inputs"
@@ -381,6 +404,8 @@ def write_inputs(out, parts):
     if "{llama}" in needs:
         paths, facts["chats"] = write_finetune_inputs(root)
         inputs.update(paths)
+    if "{pairs}" in needs:
+        inputs["pairs"] = write_preference_pairs(root / "pairs.jsonl")
     return inputs, facts
 
 

@@ -5,7 +5,7 @@
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/dpo.py --model ./my-llama-70b-sft \\
         --data-files prefs.jsonl --lora-r 16 --load-in-4bit --gradient-checkpointing --precompute-ref   # QLoRA
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml recipes/dpo.py \\
-        --model meta-llama/Llama-3.2-1B-Instruct --data-files prefs.jsonl   # full: the reference precomputed
+        --model meta-llama/Llama-3.2-1B-Instruct --data-files prefs.jsonl --precompute-ref   # full fine-tune
     python -m accelrun.data.tiny_hf /tmp/tiny && python -c "from accelrun.finetune.preference import \\
         write_toy_pairs; write_toy_pairs('/tmp/tiny/prefs.jsonl')" && OMP_NUM_THREADS=1 python recipes/dpo.py \\
         --model /tmp/tiny/model --data-files /tmp/tiny/prefs.jsonl --lora-r 8 --block-size 32 --batch-size 16 \\
@@ -20,11 +20,12 @@ chat template; a record missing a field, or a prompt that leaves no room for a r
 its file and line.
 
 The reference: with --lora-r (and --load-in-4bit, QLoRA) the same model with its adapters disabled (one base in
-memory); with --precompute-ref, or always for a full fine-tune, a table of every pair's reference log-probabilities
-computed in one pass before the first step (by the policy before it trains, or with its adapters disabled), so that
-no reference model is held while training. A resumed run computes the table again, exactly: with the adapters
-disabled, or for a full fine-tune from a whole copy of --model (one process, DDP, ZeRO-1/2; under ZeRO-3 and FSDP2 a
-full fine-tune resumes only with --lora-r). The data's fingerprint is part of what a resume must share.
+memory); for a full fine-tune a frozen copy of --model in the compute dtype, loaded and sharded as the policy is
+(ZeRO-3 partitioned, FSDP2 sharded, whole elsewhere) and prepared for inference only; with --precompute-ref a table
+of every pair's reference log-probabilities computed in one pass before the first step (by the policy before it
+trains, or with its adapters disabled), so that no reference model is held while training. A resumed run computes
+the table again, exactly: with the adapters disabled, or for a full fine-tune from a frozen copy loaded for that
+pass alone (under every engine). The data's and --model's fingerprints are part of what a resume must share.
 
 Reports: the progress line and metrics.jsonl carry each optimizer step's rewards (chosen, rejected, their margin,
 and the accuracy: the share of pairs whose chosen reward is higher), summed over the step's micro-batches and all
@@ -38,7 +39,9 @@ Result: loss 0.6931 to 0.264, held-out reward accuracy 90% (CPU command), measur
 """
 
 import argparse
+import contextlib
 import functools
+import gc
 import os
 import sys
 from datetime import timedelta
@@ -67,7 +70,7 @@ def parse_args(argv=None):
                    help="DPO's beta: how far the policy may move from the reference (the rewards' scale)")
     p.add_argument("--precompute-ref", action="store_true",
                    help="compute every pair's reference log-probabilities once before training, so that no reference "
-                        "forward runs in the steps (always so for a full fine-tune)")
+                        "forward runs in the steps (and a full fine-tune holds no frozen copy of --model)")
     p.add_argument("--max-steps", type=int, default=1000, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch in pairs, split across processes")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -117,6 +120,7 @@ from accelrun.finetune.preference import (
     disabled_adapter_logps,
     dpo_losses,
     evaluate_pairs,
+    frozen_copy_logps,
     load_pairs,
     precompute_reference,
     sequence_logps,
@@ -146,35 +150,54 @@ def load_data(args, run, accelerator, tokenizer):
     return pairs
 
 
-def whole_reference(args, accelerator, attention):
-    """A full fine-tune's resume: a frozen whole copy of --model, for one pass (the policy has trained since)."""
+def frozen_reference(args, run, accelerator, attention, chunking):
+    """A full fine-tune's reference: a frozen copy of --model in the compute dtype (it needs no fp32 master), loaded
+    the same sharded way as the policy (run.sharded_init: partitioned while loaded under ZeRO-3, the main process's
+    copy under FSDP2) and placed for inference only as the engine holds a model (engine.prepare_frozen: FSDP2 shards
+    it as the policy, ZeRO-3 gives it a DeepSpeed engine of its own without an optimizer, the others hold it
+    whole), outside accelerator.prepare()."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=torch.float32,
-                                                 attn_implementation=attention)
-    return model.to(accelerator.device).eval().requires_grad_(False)
+
+    from accelrun.finetune.pretrained import NO_CODE
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    with run.sharded_init(from_pretrained=True):
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=dtype,
+                                                     attn_implementation=attention, **NO_CODE)
+    model.requires_grad_(False).eval()
+    model.config.use_cache = False
+    head = install(model, *chunking)  # the policy's chunked loss: no whole logits in fp32
+    model = run.engine.prepare_frozen(model)  # sharded as the policy is, outside prepare() (accelrun/engines)
+    model.eval()
+    autocast = accelerator.autocast if run.engine.autocasts else contextlib.nullcontext  # accelerate: as the policy's
+    return functools.partial(frozen_copy_logps, model, head=head, autocast=autocast)
 
 
-def reference_of(args, run, model, accelerator, loaders, size, head, attention):
-    """What gives each batch its reference log-probabilities: LoRA's disabled adapters, or a table computed now
-    (--precompute-ref; a full fine-tune always): by the policy before its first step, with its adapters disabled, or
-    on a resumed full fine-tune by a whole copy of --model."""
+def reference_of(args, run, model, accelerator, loaders, size, head, attention, chunking):
+    """What gives each batch its reference log-probabilities: LoRA's disabled adapters; a full fine-tune's frozen
+    copy of --model (frozen_reference); or with --precompute-ref a table computed now from one of them (by the
+    policy before its first step where it is still the reference: a full fine-tune's first start; a resumed full
+    fine-tune computes it again from a frozen copy, loaded for that pass only, under every engine)."""
     plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # accelerate
     if args.lora_r:
         on_the_fly = functools.partial(disabled_adapter_logps, model, plain, head=head)
-    elif not run.resumed_from:
+    elif args.precompute_ref and not run.facts.get("resumed_from_step"):  # the policy is still the reference
         on_the_fly = functools.partial(sequence_logps, model, head=head)
-    elif run.engine_facts["distributed_type"] == "FSDP" or run.engine_facts["deepspeed_stage"] == 3:
-        run.fail("a full DPO fine-tune resumes only where each process holds the whole model (one process, DDP, "
-                 "ZeRO-1/2): its reference is computed again from --model; resume under such a config, or use --lora-r")
     else:
-        on_the_fly = functools.partial(sequence_logps, whole_reference(args, accelerator, attention), head=None)
-    if args.lora_r and not args.precompute_ref:
+        on_the_fly = frozen_reference(args, run, accelerator, attention, chunking)
+    if not args.precompute_ref:
         return on_the_fly
     model.eval()
     table = precompute_reference(on_the_fly, loaders, accelerator, size)
     model.train()
+    del on_the_fly  # a frozen copy loaded for this pass is freed: no reference model is held while training
+    gc.collect()
     run.print(f"reference log-probabilities of {size} pairs computed")
     return lambda batch: table[batch["index"]].T.reshape(-1)
+
+
+def reference_kind(args):
+    """The summary's and the first line's name for where the reference comes from."""
+    return "precomputed" if args.precompute_ref else "adapters disabled" if args.lora_r else "frozen copy"
 
 
 def pair_losses(model, batch, head, reference, beta):
@@ -208,8 +231,11 @@ def main(argv=None):
     model, dtype = load_model(args, accelerator.mixed_precision, attention, engine=run.engine,
                               sharded_init=run.sharded_init, fail=run.fail)
     chunks, chunk_tokens = loss_chunking(args)  # --loss-chunks N, or chunks of --loss-chunk-tokens loss positions
-    head = install(model, chunks, accelerator.state.dynamo_plugin.backend.value != "NO", chunk_tokens)
-    base = {"base_weights": base_fingerprint(args.model)} if args.lora_r else {}
+    chunking = (chunks, accelerator.state.dynamo_plugin.backend.value != "NO", chunk_tokens)
+    head = install(model, *chunking)
+    # LoRA's frozen base, and a full fine-tune's reference (loaded again on resume), are --model's weights: a resume
+    # checks them (LoRA's under finetune_lm's name and refusal; a full fine-tune's as one more setting that differs)
+    base = {"base_weights" if args.lora_r else "reference_weights": base_fingerprint(args.model)}
     trainable = [p for p in model.parameters() if p.requires_grad]
     trained = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
     micro = args.batch_size // args.grad_accum
@@ -223,7 +249,7 @@ def main(argv=None):
     model, optimizer, train_loader, val_loader, scheduler, every_pair = accelerator.prepare(  # accelerate
         model, optimizer, train_loader, val_loader, scheduler, every_pair)
     four_bit = checked_base(args, model, accelerator, run.fail)
-    reference = None  # set after run.start: a resumed full fine-tune computes it from a copy of --model
+    reference = None  # set after run.start: a resumed run computes a precomputed table again
 
     def evaluate():
         return evaluate_pairs(model, val_loader, accelerator, reference, args.beta, head)
@@ -231,13 +257,13 @@ def main(argv=None):
               total_steps=args.max_steps, units_per_sample=2 * data.facts["real_tokens_per_row"],
               eval_every=args.eval_every, evaluate=evaluate,
               describe=f"{args.model}: {n_params / 1e6:.3g} M parameters{four_bit} | DPO beta {args.beta}, reference: "
-                       f"{'precomputed' if args.precompute_ref or not args.lora_r else 'adapters disabled'} | "
+                       f"{reference_kind(args)} | "
                        f"{data.format} pairs: {data.source}, {data.cuts['pairs']} pairs, {data.cuts['cut_pairs']} "
                        f"cut at --block-size {args.block_size}",
               data_facts={"source": data.source, "train_pairs": data.facts["train_pairs"],
                           "data_sha256": data.facts["data_sha256"], **base})
     reference = reference_of(args, run, model, accelerator, (every_pair, val_loader), data.cuts["pairs"], head,
-                             attention)
+                             attention, chunking)
     rewards = StepRewards(accelerator)  # each optimizer step's rewards, over its micro-batches and the ranks
     model.train()
     for batches in run.epochs(train_loader):  # resumes mid-epoch; checkpoints at each epoch's end
@@ -268,7 +294,7 @@ def finish(run, model, accelerator, tokenizer, data, args, dtype, trained, base)
                                                       base_weights=base.get("base_weights"), dequantized=dequantized),
                       exported_dtype=args.save_dtype, base_model=args.model, data_format=data.format,
                       data_source=data.source, block_size=args.block_size, beta=args.beta,
-                      reference="precomputed" if args.precompute_ref or not args.lora_r else "adapters disabled",
+                      reference=reference_kind(args),
                       gradient_checkpointing=args.gradient_checkpointing, **data.cuts, **data.facts, **lora)
 
 

@@ -270,11 +270,11 @@ def gpu_table_modules():
     return benchmark, gpu_table
 
 
-INPUTS = {"images": "/in/images", "llama": "/in/llama", "chats": "/in/chats.jsonl"}
+INPUTS = {"images": "/in/images", "llama": "/in/llama", "chats": "/in/chats.jsonl", "pairs": "/in/pairs.jsonl"}
 LONG_PARTS = [f"finetune-{form}-{block}" for block in (4096, 8192) for form in ("flex", "dense", "padded")]
 TABLE = ["finetune-full", "finetune-lora", "finetune-padded", "finetune-lora-zero3", "finetune-chunked-loss",
          "finetune-qlora", *LONG_PARTS, "finetune-chunk-tokens-8192", "finetune-chunks-8-8192",  # issue 55
-         "gpt", "mnist", "resnet", "zero2-overlap", "fsdp-units"]
+         "dpo-lora", "gpt", "mnist", "resnet", "zero2-overlap", "fsdp-units"]
 
 
 def test_gpu_table_plans_every_comparison(tmp_path):
@@ -351,7 +351,7 @@ def test_gpu_table_runs_are_accepted_by_their_scripts(tmp_path, monkeypatch):
             except SystemExit:
                 pytest.fail(f"{folder}: {name}: {Path(script).name} refuses {' '.join(argv)}")
             scripts.add(Path(script).name)
-    assert scripts == {"mnist.py", "gpt.py", "resnet.py", "finetune_lm.py", "lean_loop.py"}
+    assert scripts == {"mnist.py", "gpt.py", "resnet.py", "finetune_lm.py", "dpo.py", "lean_loop.py"}
 
 
 def test_gpu_table_warms_each_compiled_run_with_its_own_command(tmp_path, monkeypatch):

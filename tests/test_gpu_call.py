@@ -193,7 +193,7 @@ def test_parts_run_the_fine_tunes_first():
     assert first == ["finetune-full", "finetune-lora", "finetune-padded", "finetune-lora-zero3",
                      "finetune-chunked-loss", "finetune-qlora", "finetune-flex-4096", "finetune-dense-4096",
                      "finetune-padded-4096", "finetune-flex-8192", "finetune-dense-8192", "finetune-padded-8192",
-                     "finetune-chunk-tokens-8192", "finetune-chunks-8-8192"]
+                     "finetune-chunk-tokens-8192", "finetune-chunks-8-8192", "dpo-lora"]
     assert [p.folder for p in gpu_table.PARTS][:len(first)] == first
     assert [name for name, _ in gpu_table.stages(gpu_table.selected(["mnist", "finetune-padded"]))] == \
         ["fine-tune", "the rest"]
@@ -204,6 +204,28 @@ def test_parts_run_the_fine_tunes_first():
     # a compiled run whose warm-up did not end is left out of its part's command
     argv = gpu_table.part_argv(parts["finetune-full"], 989.0, {}, 1, leave_out=("1gpu_compile.yaml",))
     assert argv[argv.index("--configs") + 1:argv.index("--steps")] == ["1gpu.yaml"]
+
+
+def test_the_dpo_part_runs_recipes_dpo_on_pairs_written_here(tmp_path, hf):
+    """Issue 56: the GPU table's DPO part is bench/benchmark.py --recipe dpo, which launches recipes/dpo.py with LoRA
+    r 16 on the 1B shape, 8 pairs a step; the pairs written on the machine (write_preference_pairs) are chat records
+    dpo.py reads, every prompt leaving room for its response in the part's blocks of 1024."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from accelrun.finetune.preference import load_pairs
+    part = next(p for p in gpu_table.PARTS if p.folder == "dpo-lora")
+    inputs = {"llama": hf / "model", "pairs": gpu_table.write_preference_pairs(tmp_path / "pairs.jsonl")}
+    args = gpu_table.benchmark.parse_args(gpu_table.part_argv(part, 989.0, inputs, 1))
+    assert (args.recipe, args.configs, args.batch_size) == ("dpo", ["1gpu.yaml"], 8)
+    [(name, _, cmd, _)] = gpu_table.benchmark.plan_runs(args, 1, True, None)
+    assert cmd[cmd.index("launch") + 1:].count(str(REPO / "recipes" / "dpo.py")) == 1
+    assert " ".join(cmd).endswith(f"--model {hf / 'model'} --data-files {inputs['pairs']} --block-size 1024 "
+                                  f"--eval-batches 1 --lora-r 16"), cmd
+    flags = argparse.Namespace(data_files=str(inputs["pairs"]), dataset=None, dataset_config=None, seed=0)
+    pairs = load_pairs(flags, AutoTokenizer.from_pretrained(hf / "model"), 1024, 8)
+    assert pairs.format == "chat" and pairs.cuts == {"pairs": gpu_table.CHATS // 4, "cut_pairs": 0}
 
 
 def test_issue_55s_comparisons_each_show_their_goal():
@@ -336,6 +358,9 @@ def test_one_command_dry_run_without_cuda_shows_the_plan_the_budget_and_the_orde
     at = [output.index(word) for word in order]
     assert at == sorted(at), list(zip(order, at))
     assert "not built yet" not in output  # every part has its recipe's flags now (QLoRA's came last)
+    # issue 56: a short 1B LoRA DPO part, listed with what it measures
+    dpo = output[output.index(f"{parts.index('dpo-lora') + 1}. dpo-lora "):].split("\n", 1)[0]
+    assert "~ 40 s" in dpo, dpo
     assert "beyond the budget by the estimates" in output  # 300 s reaches the fine-tunes, not the rest
     # issue 55's parts with their goals, each under the part it judges
     goals = {"finetune-flex-4096": "goal: flex / padded >= 1.8x and flex / dense >= 1.3x real tokens/s\n",

@@ -74,3 +74,45 @@ def test_each_cell_copied_as_printed_runs_what_was_planned():
                 assert args.packing == (key == "fsdp"), cell
                 cells += 1
     assert cells == 32  # 8B 15, 14B 7 (8-bit states at 2k), 32B 6, 70B 4
+
+
+def test_dpo_rows_hold_what_each_reference_costs():
+    """Issue 56: DPO's rows. A pair's two sequences are on one GPU (a fine-tune's parts at twice the tokens); LoRA,
+    QLoRA and a precomputed reference hold no reference; a full fine-tune's frozen reference holds a bf16 copy sharded
+    like the policy (2 bytes per parameter over the GPUs: 8.0 GB per GPU for the 8B on 2)."""
+    for job, base in (("LoRA", "LoRA"), ("QLoRA", "QLoRA"), ("full, precomputed reference", "full")):
+        parts = lm_memory.dpo_parts("Llama-3.1-8B", job, 2048)
+        assert parts.pop("reference") == 0
+        assert parts == lm_memory.job_parts("Llama-3.1-8B", base, 4096)
+    frozen = lm_memory.dpo_parts("Llama-3.1-8B", "full, frozen reference", 2048)
+    n, _ = lm_memory.parameters("Llama-3.1-8B")
+    assert frozen["reference"] == pytest.approx(2 * n / 2 / 1e9) == pytest.approx(8.03, abs=0.01)
+    assert sum(frozen.values()) > 80 > sum(lm_memory.dpo_parts("Llama-3.1-8B", "full, precomputed reference",
+                                                                2048).values())
+
+
+def test_the_dpo_table_is_in_the_docs_and_its_cells_parse_as_planned():
+    """docs/recipes.md prints `python bench/lm_memory.py --dpo`; each row's flags with a cell's --block-size parse
+    (recipes/dpo.py's own parser) into the job planned: LoRA rank, 4-bit base, precomputed reference, checkpointing."""
+    import re
+    import shlex
+
+    from dpo import parse_args
+
+    table = lm_memory.dpo_table()
+    assert table in (REPO / "docs" / "recipes.md").read_text()
+    command = shlex.split(re.search(r"completes `([^`]+)`", table).group(1))
+    assert command[:6] == ["accelerate", "launch", "--config_file", "accelerate_configs/fsdp.yaml", "recipes/dpo.py",
+                           "--model"]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| DPO job")]
+    assert {row.split(" | ")[0].split(" ", 2)[2] for row in rows} == set(lm_memory.DPO_JOBS)
+    for row in rows:
+        flags, *cells = (cell.strip() for cell in row.strip("| ").split(" | ")[1:])
+        job = next(j for j in lm_memory.DPO_JOBS if row.startswith(f"| {row.split()[1]} {j} |"))
+        for cell in cells:
+            if cell.startswith("**no**"):
+                continue
+            args = parse_args(["--model", "MODEL", "--data-files", "PAIRS", "--batch-size", "2",
+                               *shlex.split(flags.strip("`")), *shlex.split(re.search(r"`([^`]+)`", cell).group(1))])
+            assert args.gradient_checkpointing and args.lora_r == (0 if job.startswith("full") else lm_memory.LORA_R)
+            assert args.load_in_4bit == (job == "QLoRA") and args.precompute_ref == ("precomputed" in job)

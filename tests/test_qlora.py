@@ -2,7 +2,8 @@
 NF4 through bitsandbytes, which trains NF4 on the CPU.
 
 In-process: the refusals (--load-in-4bit without --lora-r; FSDP2 leaving the 4-bit base whole), what the 4-bit layers
-store against the planner's NF4 model (bench/lm_memory.py), and the 4-bit layers set for training (an evaluation
+store against the planner's NF4 model (bench/lm_memory.py), --merge-lora's weights against the dequantised base plus
+the adapters' product (the export finetune_lm.py and dpo.py share), and the 4-bit layers set for training (an evaluation
 between two steps, as every run makes one, left their weights as they were and the gradient flowing).
 
 Launched (slow), one launch per engine serving every assertion about it: one process and DDP (fp32, step for step
@@ -134,6 +135,52 @@ def test_fsdp2_leaving_the_4bit_base_whole_is_refused_in_one_line(hf):
                               "13 more layers)") and "\n" not in problem and "fsdp_ignored_modules" in problem
     assert note == "4-bit base (NF4): 14 layers, 4,608 of their 4,608 packed elements on this process"
     assert base_note(model, fsdp=False, world=2)[0] is None and base_note(model, fsdp=True, world=1)[0] is None
+
+
+def test_merge_lora_on_a_4bit_base_is_the_dequantised_base_plus_the_adapters(hf, tmp_path):
+    """--merge-lora on a 4-bit base (export.export, the path finetune_lm.py and dpo.py share): every adapted layer of
+    the written model is that layer's NF4 weight dequantised plus alpha/r * B @ A (nonzero adapters), computed here
+    apart from the export's own merge; every other tensor is --model's; and the adapter written beside it is the
+    adapters. Merging into the packed 4-bit weights instead of the dequantised base fails here."""
+    import types
+
+    from bitsandbytes.functional import dequantize_4bit
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from accelrun.finetune.export import export
+    from accelrun.finetune.lora import with_lora
+    from accelrun.finetune.qlora import dequantized_base, four_bit_layers
+    from finetune_lm import parse_args
+    args = parse_args(["--model", str(hf / "model"), "--lora-r", "4", "--lora-alpha", "8", "--load-in-4bit",
+                       "--merge-lora", "--save-dtype", "float32"])
+    model = with_lora(tiny_4bit(hf, torch.float32), args)
+    for name, p in model.named_parameters():
+        if "lora_" in name:  # PEFT starts B at zero: random adapters, so that the product matters
+            p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) / 8
+    expected = {}
+    for name, module in four_bit_layers(model):
+        layer = model.get_submodule(name.removesuffix(".base_layer"))
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        assert layer.scaling["default"] == 2.0  # alpha 8 / r 4
+        base = dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+        expected[name.removeprefix("base_model.model.").removesuffix(".base_layer") + ".weight"] = (
+            base + 2.0 * (b @ a)).detach()
+    assert len(expected) == 14
+    weights = {k: (v.float() if v.is_floating_point() else v).clone() for k, v in model.state_dict().items()}
+    accelerator = types.SimpleNamespace(unwrap_model=lambda m, keep_torch_compile=False: m)  # one process
+    export(weights, model, accelerator, AutoTokenizer.from_pretrained(hf / "model"), args, tmp_path,
+           dequantized=dequantized_base(model, keep=True))
+    merged, original = (load_file(d / "model" / "model.safetensors") for d in (tmp_path, hf))
+    assert merged.keys() == original.keys()
+    for key, value in merged.items():
+        if key in expected:
+            assert torch.allclose(value, expected[key], atol=1e-6, rtol=0), key
+            assert (value - original[key]).abs().max() > 1e-2, key  # the adapters are in it
+        else:
+            assert torch.equal(value, original[key].float()), key
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert len(adapter) == 28 and all(".lora_A." in k or ".lora_B." in k for k in adapter)
 
 
 # ---- launched -------------------------------------------------------------------------------------------------------

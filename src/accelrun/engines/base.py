@@ -206,6 +206,12 @@ class Engine:
         return None
 
     # ---- the model built, the weights exported ---------------------------------------------------------------
+    def prepare_frozen(self, model):
+        """A frozen model that only runs forward passes beside the trained one (DPO's reference), placed as this engine
+        holds a model, outside accelerator.prepare() (which would save it in every checkpoint and, under DeepSpeed, tie
+        the backward to it): here whole on the device."""
+        return model.to(self.accelerator.device)
+
     @contextlib.contextmanager
     def building(self, from_pretrained=False, quantized=False):
         """Build the model inside; yields how it is built (the summary's model_init, sharded_model.py's words).

@@ -96,6 +96,12 @@ class FSDP2(Engine):
                     f"--optim-states 8bit (torchao's AdamW8bit)")
         return None
 
+    def prepare_frozen(self, model):
+        """Sharded as prepare() shards the trained model (accelerate's fsdp2_prepare_model, the same plugin: unit
+        policy, mixed precision); frozen parameters stay in their dtype (only trainable ones are upcast)."""
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+        return fsdp2_prepare_model(self.accelerator, model)
+
     @contextlib.contextmanager
     def building(self, from_pretrained=False, quantized=False):
         if from_pretrained and quantized:

@@ -174,6 +174,15 @@ class DeepSpeed(Engine):
         self.config["train_micro_batch_size_per_gpu"] = micro
 
     # ---- the model built, the weights exported ---------------------------------------------------------------
+    def prepare_frozen(self, model):
+        """ZeRO-3: a DeepSpeed engine of its own without an optimizer (inference only: the parameters gathered layer by
+        layer in its forward, as TRL's DPO does), from the run's resolved config; ZeRO-1/2 hold it whole."""
+        if not self.partitions_parameters:
+            return super().prepare_frozen(model)
+        import deepspeed
+        config = {k: v for k, v in self.accelerator.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
+        return deepspeed.initialize(model=model, config=config)[0]
+
     @contextlib.contextmanager
     def building(self, from_pretrained=False, quantized=False):
         """ZeRO-3 with zero3_init_flag: DeepSpeed's zero.Init partitions each module's weights as its constructor

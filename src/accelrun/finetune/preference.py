@@ -16,7 +16,8 @@ Owns:
     always in the same batch and on the same rank;
   * sequence_logps: each row's summed log-probability of its response tokens (chunked_loss.token_losses, negated);
   * the reference: the policy with its LoRA adapters disabled (peft's disable_adapter, no second model in memory),
-    or a table of every pair's reference log-probabilities computed once before training (precompute_reference);
+    a full fine-tune's frozen copy of the model (frozen_copy_logps; dpo.py loads and shards it as the policy), or a
+    table of every pair's reference log-probabilities computed once before training (precompute_reference);
   * the loss (dpo_losses): -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), per pair; rewards beta * (pi -
     ref); at the first step the policy is the reference and every loss is ln 2;
   * the step's reward figures (StepRewards), summed over the optimizer step's micro-batches and all ranks.
@@ -162,6 +163,14 @@ def disabled_adapter_logps(model, plain, batch, head):
     PEFT model, whose disable_adapter() the wrapped forward then follows), without gradient."""
     import torch
     with torch.no_grad(), plain.disable_adapter():
+        return sequence_logps(model, batch, head)
+
+
+def frozen_copy_logps(model, batch, head, autocast):
+    """The reference's log-probabilities from a frozen copy of the model (a full fine-tune's), without gradient, its
+    forward under `autocast()` (the mixed precision the policy's forward runs in, or a null context)."""
+    import torch
+    with torch.no_grad(), autocast():
         return sequence_logps(model, batch, head)
 
 
