@@ -133,7 +133,8 @@ def assert_continues_on_another_shape(ref, run, resumed_from, start, came_from, 
     s, world = run.summary, 3 - came_from
     assert (s["world_size"], s["resumed_from_step"], s["resumed_from_world_size"]) == (world, start, came_from)
     assert s["resume_changes"] == [f"world size {came_from} -> {world}: {how}", *changes]
-    assert f"resumed from {resumed_from} (step {start}, written by {came_from} processes" in run.output, \
+    writers = f"{came_from} process" + ("es" if came_from != 1 else "")
+    assert f"resumed from {resumed_from} (step {start}, written by {writers}" in run.output, \
         run.output[-3000:]
     assert f"resumed on another shape: {changes[0]}" in run.output
     assert [r["step"] for r in run.metrics] == list(range(start + 1, 13))

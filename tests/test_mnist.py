@@ -210,6 +210,7 @@ def test_grad_accum_equals_one_large_batch(launch, config):
 # --- errors a user can cause in mnist's own flags: one clear message, non-zero exit ---------------
 
 def test_strict_mnist_offline_says_what_to_do(launch, tmp_path):
+    (tmp_path / "empty").mkdir()  # a --data-dir that is named and missing is refused before (test_refusals)
     run = launch("2gpu.yaml", "--data", "mnist", "--data-dir", str(tmp_path / "empty"), launch_args=FP32,
                  check=False)
     assert run.returncode != 0

@@ -106,6 +106,7 @@ def test_deepspeed_config_without_its_cpu_route_is_refused_before_deepspeed_buil
     data, and before DeepSpeed compiles anything into the (empty) extensions directory."""
     cases = {"no route": {}, "ACCELERATE_USE_CPU=1": {"ACCELERATE_USE_CPU": "1"}}
     commands, outs = [], []
+    (tmp_path / "data").mkdir()  # there, empty: a named --data-dir that is missing is refused before the config
     for i, env in enumerate(cases.values()):
         out = tmp_path / f"out{i}"
         cmd, _ = launch_command("deepspeed_zero2.yaml", tmp_path / "data", out, *SHORT, launch_args=FP32)
