@@ -18,15 +18,22 @@ RUN_FLAGS = ("output_dir", "log_every", "checkpoint_dir", "checkpoint_every", "k
              "stop_signals", "stop_check_every", "report_to", "profile")
 
 
-def whole_number(text):
-    """argparse type: a whole number >= 0 (a negative --keep-last would slice the checkpoint list backwards)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 0 or more")
-    return value
+def whole_number_type(low, of="", note=""):
+    """An argparse type: an int of at least `low`, else one line naming the value (`give a whole number{of}, {low} or
+    more{note}`). The one rule for every whole-number flag the run services and the recipes' helpers define."""
+    def whole(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number{of}, {low} or more{note}")
+        return value
+    return whole
+
+
+# A negative --keep-last would slice the checkpoint list backwards.
+whole_number = whole_number_type(0)
 
 
 def one_line_errors(parser):

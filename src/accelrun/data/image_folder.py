@@ -13,6 +13,8 @@ numpy and Pillow (torchvision's) are imported only when images are written: --he
 import argparse
 from pathlib import Path
 
+from accelrun.flags import whole_number_type
+
 CLASSES = ("horizontal", "vertical")
 
 
@@ -45,15 +47,7 @@ def write_image_folder(root, train_per_class, val_per_class, size=20, seed=0):
     return root
 
 
-def whole_number(text):
-    """argparse type: an int of at least 1, else one line naming the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 1 or more")
-    return value
+whole_number = whole_number_type(1)  # argparse type: an int of at least 1, else one line naming it
 
 
 def parse_args(argv=None):

@@ -2,7 +2,7 @@
 is imported. Owns the two forms of the chunked loss's size, their refusals (a bad value; both together) and which one a
 run takes (loss_chunking: the token form, DEFAULT_CHUNK_TOKENS, unless --loss-chunks is given)."""
 
-import argparse
+from ..flags import whole_number_type
 
 # 8, as torchtune's default: the peak logits are an eighth of the whole (and their gradient), while each chunk's
 # matmul keeps thousands of rows at long context; at 32k tokens and Llama's 128k vocabulary one chunk is 2.1 GB
@@ -13,26 +13,9 @@ DEFAULT_CHUNKS = 8
 DEFAULT_CHUNK_TOKENS = 8192
 
 
-def chunk_count(text):
-    """argparse type: a whole number of chunks, 1 or more (0 and negative counts were taken silently)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of chunks, 1 or more (1: the plain loss)")
-    return value
-
-
-def chunk_tokens(text):
-    """argparse type: the loss positions of one chunk, a whole number, 1 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of loss positions per chunk, 1 or more")
-    return value
+# argparse types: 0 and negative counts were taken silently.
+chunk_count = whole_number_type(1, " of chunks", " (1: the plain loss)")
+chunk_tokens = whole_number_type(1, " of loss positions per chunk")
 
 
 def add_loss_args(parser):
