@@ -29,7 +29,7 @@ from accelrun.checkpoint import owners, save
 from accelrun.checkpoint.choose import distrust
 from accelrun.checkpoint.layout import FORMAT_VERSION, SAVING
 from accelrun.checkpoint.rotate import Rotation
-from launching import REPO, skip_unless_ci
+from launching import REPO, skip_unless_ci, unknown_uid
 
 
 def test_directory_lock(tmp_path, capsys):
@@ -147,16 +147,6 @@ def test_the_lock_and_its_names_import_without_torch():
 
 # ---- a directory trusted by its owner (issue 52) ----------------------------------------------------------------
 
-def stranger():
-    """A uid this system does not know (12345 is a real user on some machines): the other user of the tests."""
-    for uid in range(50000, 60000):
-        try:
-            pwd.getpwuid(uid)
-        except KeyError:
-            return uid
-    raise AssertionError("no unknown uid in 50000-59999")
-
-
 def needs_root():
     if os.geteuid() != 0:
         skip_unless_ci("needs root, to make a directory another user's")
@@ -165,7 +155,7 @@ def needs_root():
 def theirs_sticky(path):
     """`path` made a shared scratch directory (mode 1777) that another user created: its owner is them."""
     path.mkdir(exist_ok=True)
-    os.chown(path, stranger(), stranger())
+    os.chown(path, unknown_uid(), unknown_uid())
     path.chmod(0o1777)
     return path
 
@@ -199,7 +189,7 @@ def test_a_sticky_directory_of_another_user_is_refused_before_anything_is_remove
     renamed = checkpoint_like(shared / ".tmp-step-00000004.aaaaaaaa", 4)
     before = sorted(os.listdir(shared))
     lock, error = dirlock.take(str(shared))
-    assert lock is None and f"--checkpoint-dir {shared}: it is owned by uid {stranger()} (mode 1777)" in error
+    assert lock is None and f"--checkpoint-dir {shared}: it is owned by uid {unknown_uid()} (mode 1777)" in error
     assert trust.TRUST_ENV in error and "\n" not in error
     assert sorted(os.listdir(shared)) == before and not (shared / ".lock").exists()
     assert "owned by uid" in distrust(str(shared), "auto")
@@ -231,15 +221,15 @@ def test_a_dir_of_mine_in_another_users_directory_is_refused(tmp_path, monkeypat
     shared = theirs_sticky(tmp_path / "scratch")
     alice = theirs_sticky(shared / "alice")
     lock, error = dirlock.take(str(alice))
-    assert lock is None and f"--checkpoint-dir {alice}: it is owned by uid {stranger()} (mode 1777)" in error
+    assert lock is None and f"--checkpoint-dir {alice}: it is owned by uid {unknown_uid()} (mode 1777)" in error
     assert not (alice / ".lock").exists()
     os.rmdir(alice)
     alice.mkdir(mode=0o700)
-    me = next(uid for uid in range(stranger() + 1, 60000) if uid not in {u.pw_uid for u in pwd.getpwall()})
+    me = next(uid for uid in range(unknown_uid() + 1, 60000) if uid not in {u.pw_uid for u in pwd.getpwall()})
     os.chown(alice, me, me)
     monkeypatch.setattr(trust.os, "geteuid", lambda: me)
     error = trust.refusal(str(alice), "--checkpoint-dir")
-    assert f"--checkpoint-dir {alice}: {shared} is owned by uid {stranger()} (mode 1777)" in error, error
+    assert f"--checkpoint-dir {alice}: {shared} is owned by uid {unknown_uid()} (mode 1777)" in error, error
     assert f"every writer of {shared} " in error
 
 
@@ -300,7 +290,7 @@ def test_planted_step_names_cost_one_lookup_per_owner(tmp_path, monkeypatch, cap
     mine = checkpoint_like(ckpt / "step-00000001", 1)
     for step in range(100, 5100):
         os.symlink("/nowhere", ckpt / f"step-{step:08d}")
-        os.lchown(ckpt / f"step-{step:08d}", stranger(), stranger())
+        os.lchown(ckpt / f"step-{step:08d}", unknown_uid(), unknown_uid())
     lookups = []
     real = trust.pwd.getpwuid
     monkeypatch.setattr(trust.pwd, "getpwuid", lambda uid: lookups.append(uid) or real(uid))
@@ -310,9 +300,9 @@ def test_planted_step_names_cost_one_lookup_per_owner(tmp_path, monkeypatch, cap
     assert owners.own_steps(str(ckpt), passed) == [(1, str(mine))]
     passed.close(str(ckpt))
     elapsed = time.perf_counter() - started
-    assert sorted(lookups) == sorted({0, stranger()}), lookups
+    assert sorted(lookups) == sorted({0, unknown_uid()}), lookups
     err = capsys.readouterr().err
-    assert err.count(f"belongs to uid {stranger()}") == owners.SHOWN and f"4990 more entries in {ckpt}" in err
+    assert err.count(f"belongs to uid {unknown_uid()}") == owners.SHOWN and f"4990 more entries in {ckpt}" in err
     print(f"own_steps over 5,001 entries: {elapsed * 1000:.0f} ms")
 
 
@@ -326,7 +316,7 @@ def test_the_stop_command_filters_by_owner_before_its_bound(tmp_path, capsys):
     saved = checkpoint_like(ckpt / "step-00000003", 3)
     for step in range(1000, 1000 + owners.INSPECTED):
         os.symlink("/nowhere", ckpt / f"step-{step:08d}")
-        os.lchown(ckpt / f"step-{step:08d}", stranger(), stranger())
+        os.lchown(ckpt / f"step-{step:08d}", unknown_uid(), unknown_uid())
     assert stop._newest_state(str(ckpt)) == (str(saved), stopped_state(3))
     assert stop._outcome(str(ckpt), 1, None, str(tmp_path), time.time()) == 75
     assert f"stopped after step 3: checkpoint {saved}" in capsys.readouterr().out

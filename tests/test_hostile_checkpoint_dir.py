@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import pickle
-import pwd
 import shutil
 import socket
 import subprocess
@@ -45,6 +44,7 @@ from launching import (
     recipe_processes,
     run_command,
     skip_unless_ci,
+    unknown_uid,
 )
 from run_checks import assert_refused
 from tampering import deflated
@@ -712,17 +712,7 @@ def test_resume_given_the_checkpoint_directory_takes_its_newest(written, data_di
 
 # ---- 14. another user beside this one in a shared directory with the sticky bit (issue 46) -----------------------
 
-def _unknown_uid():
-    """A uid this system does not know (12345 is a real user on some machines)."""
-    for uid in range(50000, 60000):
-        try:
-            pwd.getpwuid(uid)
-        except KeyError:
-            return uid
-    raise AssertionError("no unknown uid in 50000-59999")
-
-
-ATTACKER = _unknown_uid()  # the other user of the shared directory; the suite runs as root, so it can plant as them
+ATTACKER = unknown_uid()  # the other user of the shared directory; the suite runs as root, so it can plant as them
 
 
 def needs_root():

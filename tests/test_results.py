@@ -8,14 +8,13 @@ directory, a continued run, a branch) and test_hostile_checkpoint_dir.py (a mani
 import argparse
 import json
 import os
-import pwd
 import sys
 
 import pytest
 
 from accelrun import results
 from in_process import run_main
-from launching import REPO, skip_unless_ci
+from launching import REPO, skip_unless_ci, unknown_uid
 
 RUN, OTHER = "a" * 32, "b" * 32
 
@@ -101,17 +100,6 @@ LR = ["--num-points", "64", "--epochs", "1"]  # linear_regression.py: 2 steps, a
 DEFAULT = "runs/linear_regression/1proc"
 
 
-def unknown_uid():
-    """A uid the system does not know: "another user" who is no real user on any machine running the suite."""
-    return next(uid for uid in range(50000, 1 << 20) if not _known(uid))
-
-
-def _known(uid):
-    try:
-        pwd.getpwuid(uid)
-    except KeyError:
-        return False
-    return True
 
 
 def needs_root():

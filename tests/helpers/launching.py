@@ -16,8 +16,10 @@ How each config runs on CPU (the "CPU route"), found with accelerate 1.15 / torc
 A free port is given to every launch so runs never collide.
 """
 
+import functools
 import json
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -82,6 +84,18 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@functools.cache
+def unknown_uid():
+    """A uid this system does not know, the tests' "another user" (12345 is a real user on some machines): the suite
+    runs as root, so it can plant entries as them."""
+    for uid in range(50000, 60000):
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            return uid
+    raise AssertionError("no unknown uid in 50000-59999")
 
 
 def skip_unless_ci(reason):
