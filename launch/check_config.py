@@ -23,6 +23,10 @@ And for FSDP's mesh (parallelism_config: HSDP's dp_replicate_size x dp_shard_siz
   * a product of the sizes that is not the number of processes, named in one line (accelerate refuses it only
     once every process has started);
   * dp_replicate_size above 1 with dp_shard_size 1: FSDP has nothing to shard over (accelerate refuses it too).
+And for float8 (mixed_precision fp8, fsdp_fp8.yaml):
+  * a backend other than torchao's (AO): Transformer Engine and MS-AMP are not what accelrun installs or tests;
+  * the ways of running that refuse it, in their engine's words (DeepSpeed; torch.compile under DDP);
+  * fsdp_cpu_ram_efficient_loading true under FSDP: accelerate refuses it with torchao's float8 at start-up.
 Exit 0 when the config is usable (notes are printed), 2 with one line per problem otherwise.
 launch/slurm_launch.py runs this check in every task before it launches anything.
 """
@@ -273,6 +277,33 @@ def check_mesh(raw, problems, processes=None, filled=False):
                    "dp_replicate_size to the nodes and dp_shard_size to the processes per node)")
 
 
+def check_float8(raw, problems, processes=None):
+    """mixed_precision fp8: torchao's backend, and a way of running that computes in float8 (its engine decides)."""
+    if raw.get("mixed_precision") != "fp8":
+        return
+    backend = (raw.get("fp8_config") or {}).get("backend", "AO")
+    if str(backend).upper() != "AO":
+        problems.error("fp8_config.backend", f"{backend}: accelrun runs torchao's float8 (AO); Transformer Engine and "
+                       f"MS-AMP are neither installed nor tested here", "write backend: AO (fsdp_fp8.yaml)")
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from accelrun.engines import Engine
+    try:
+        running = DistributedType(raw.get("distributed_type"))
+    except ValueError:
+        return  # accelerate's loader has named it
+    engine = Engine.of(SimpleNamespace(distributed_type=running, num_processes=processes or raw.get("num_processes")))
+    compiled = str((raw.get("dynamo_config") or {}).get("dynamo_backend", "NO")).upper() != "NO"
+    if problem := engine.float8_problem(compiled):
+        problems.error("mixed_precision", problem.removeprefix("mixed precision fp8 "), "see docs/configs.md, "
+                       "'FP8 on H100s'")
+    if running == DistributedType.FSDP and (raw.get("fsdp_config") or {}).get("fsdp_cpu_ram_efficient_loading"):
+        problems.error("fsdp_config.fsdp_cpu_ram_efficient_loading", "true with mixed_precision fp8: accelerate "
+                       "refuses torchao's float8 with it when the job starts", "set it to false (fsdp_fp8.yaml)")
+
+
 def check(config, recipe=None, processes=None, filled=False):
     """(errors, notes) for `config`, optionally for use with `recipe`; processes: the number the launch starts
     (default: the YAML's num_processes); filled: launch/slurm_launch.py gives HSDP's two sizes itself."""
@@ -284,6 +315,7 @@ def check(config, recipe=None, processes=None, filled=False):
     if raw is not None:
         check_ignored_keys(raw, problems)
         check_mesh(raw, problems, processes, filled and is_hsdp(raw))
+        check_float8(raw, problems, processes)
     from accelrun.engines import DeepSpeed  # which distributed type is DeepSpeed's: its engine says (accelrun.engines)
     if raw is not None and raw.get("distributed_type") == DeepSpeed.accelerate_type.value:
         ds_json = load_deepspeed_json(raw, config, problems)

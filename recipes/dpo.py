@@ -107,7 +107,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 
-from accelrun import Run
+from accelrun import Run, float8
 from accelrun.engines import run_label
 from accelrun.finetune.chunked_loss import install
 from accelrun.finetune.examples import DataProblem
@@ -222,8 +222,8 @@ def main(argv=None):
     run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm,
               default_output_dir=default_output_dir(args, accelerator))
     set_seed(args.seed)
-    if error:
-        run.fail(error)
+    if problem := error or float8.flags_problem(accelerator, args.lora_r, args.load_in_4bit):  # float8: full only
+        run.fail(problem)
     check_block_size(args, config, run.fail)
     run.check_whole_model_fits(n_params)
     data = load_data(args, run, accelerator, tokenizer)

@@ -139,7 +139,7 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 
-from accelrun import Run
+from accelrun import Run, float8
 from accelrun.engines import Engine, run_label
 from accelrun.finetune.attention import block_mask, choose, device_problem, register
 from accelrun.finetune.chunked_loss import install, token_losses, with_loss_count
@@ -300,8 +300,9 @@ def main(argv=None):
     run.setup(accelerator, batch_size=args.batch_size, max_grad_norm=args.max_grad_norm,
               default_output_dir=default_output_dir(args, accelerator))
     set_seed(args.seed)
-    # the model's config unreadable, or --attention flex without CUDA: before any loading
-    if problem := error or device_problem(args, accelerator.device.type):
+    # the model's config unreadable, --attention flex without CUDA, float8 with LoRA or 4 bits: before any loading
+    if problem := (error or device_problem(args, accelerator.device.type)
+                   or float8.flags_problem(accelerator, args.lora_r, args.load_in_4bit)):
         run.fail(problem)
     check_block_size(args, config, run.fail)
     sp = SequenceParallel.of(accelerator)  # Ulysses: each sequence split over a group of processes (or off)

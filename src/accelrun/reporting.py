@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from . import float8
 from .results import open_log, write_file
 
 
@@ -56,9 +57,9 @@ def first_line(accelerator, engine, batch, optimizer, describe, total_steps, how
     steps = f"{total_steps} step{'s' if total_steps != 1 else ''}"
     processes = f"{world} process{'es' if world != 1 else ''} on {accelerator.device.type}"
     return (f"{engine['distributed_type']} | {processes} | mixed precision {engine['mixed_precision']}"
-            f"{precision_source(engine)} | ZeRO stage {engine['deepspeed_stage'] or '-'} | optimizer "
-            f"{optimizer_name(optimizer)} ({implementation(optimizer)}) | global batch {batch_size} ({split}) | "
-            f"{describe + ' | ' if describe else ''}{steps} | {how_to_stop}")
+            f"{precision_source(engine)}{float8.describe(engine)} | ZeRO stage {engine['deepspeed_stage'] or '-'} | "
+            f"optimizer {optimizer_name(optimizer)} ({implementation(optimizer)}) | global batch {batch_size} "
+            f"({split}) | {describe + ' | ' if describe else ''}{steps} | {how_to_stop}")
 
 
 def start_tracking(accelerator, args):

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from . import results
+from . import float8, results
 from .cadence import Cadence, Progress
 from .checkpoint import NoCheckpoints
 from .checkpoint.rules import must_match_settings
@@ -115,10 +115,19 @@ class Run:
         self.engine.clip_like(max_grad_norm)
         check_deepspeed_flags(accelerator, grad_accum, max_grad_norm, prepared=False)
         self.engine.reduce_in_fp32()
+        self.float8 = self._float8(accelerator)
         self.facts["engine"] = self.engine.facts()  # start() adds how gradients sync: engine_facts
         default_output_dir = default_output_dir or os.path.join("runs", self.name, self.engine.label())
         # The lock, the checkpoint to resume, where results go, a finished run: before any loading (starting.py).
         self.settled = settle(accelerator, self.args, self.name, default_output_dir, self.may_change, self.print)
+
+    def _float8(self, accelerator):
+        """Under mixed precision fp8: the engine's refusal, or the choice of layers installed (float8.py); else None."""
+        if not float8.asked(accelerator):
+            return None
+        if problem := self.engine.float8_problem(accelerator.state.dynamo_plugin.backend.value != "NO"):
+            self.fail(problem)
+        return float8.install(accelerator)
 
     @property
     def output_dir(self):
@@ -169,6 +178,8 @@ class Run:
         self.optimizer = optimizer
         self.engine.cast_buffers(model)
         self.facts["engine"].update(self.engine.gradient_sync(model))
+        if self.float8:
+            self.facts["engine"].update(float8.facts(model, self.float8, acc.device.type))
         # Global samples (or tokens) per forward pass, and what a unit costs, for the throughput and MFU.
         self.throughput = Throughput(self.throughput.unit, batch.size // batch.grad_accum * units_per_sample,
                                      batch.grad_accum, flops_per_unit, peak_tflops, acc.num_processes)

@@ -9,7 +9,9 @@ Hugging Face model from from_pretrained is loaded partitioned by transformers it
 process maps the weight files (safetensors, shared page cache) and prepare() shards the main process's values. A
 quantised from_pretrained (finetune_lm's QLoRA) is loaded whole and quantised by every process, as transformers loads
 a quantised model outside zero.Init and accelerate shards each process's own copy of 4-bit weights under FSDP2;
-prepare() then shards or partitions it (QUANTISED_SHARDED). Anything else, and any model built outside
+prepare() then shards or partitions it (QUANTISED_SHARDED). Under FSDP2 with float8 every process builds or loads it
+whole and prepare() shards its own copy (FLOAT8_WHOLE): torchao's float8 weights do not survive accelerate's
+broadcast. Anything else, and any model built outside
 sharded_init(): built whole (BUILT_WHOLE). The one refusal that follows from it, a pretrained model ZeRO-3 without
 zero3_init_flag would load whole on processes that cannot hold it, is the DeepSpeed engine's
 (check_whole_model_fits).
@@ -21,6 +23,8 @@ import torch
 
 BUILT_WHOLE = "built whole on every process"  # any model built outside sharded_init(), too
 QUANTISED_SHARDED = "loaded whole and quantised by every process, sharded by prepare()"
+# FSDP2 with float8 (fsdp_fp8.yaml): accelerate refuses torchao's float8 with its broadcast from the main process
+FLOAT8_WHOLE = "built whole on every process (float8: prepare() shards each process's own copy)"
 
 
 @contextlib.contextmanager

@@ -66,12 +66,12 @@ def write_tokenizer(directory, texts, with_pad=True):
     return fast
 
 
-def write_model(directory, tokenizer, layers=2, width=32, context=128, seed=0):
+def write_model(directory, tokenizer, layers=2, width=32, context=128, seed=0, intermediate=None):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=intermediate or 2 * width,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=context, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

@@ -205,6 +205,12 @@ class Engine:
         """None, or why this engine cannot step `optimizer` (one line naming why)."""
         return None
 
+    # ---- float8 (mixed_precision fp8: float8.py) --------------------------------------------------------------
+    def float8_problem(self, compiled):
+        """None, or why this way of running does not compute in float8 (one line naming what to use); compiled:
+        whether the config compiles the model."""
+        return None
+
     # ---- the model built, the weights exported ---------------------------------------------------------------
     def prepare_frozen(self, model):
         """A frozen model that only runs forward passes beside the trained one (DPO's reference), placed as this engine

@@ -3,7 +3,8 @@ whole model and optimizer, and accelerate saves them whole.
 
 Owns what differs from the Engine defaults: its label ("" for one process, "ddp" otherwise), its checkpoint format
 (accelerate's model.safetensors and optimizer.bin; the model file's keys read from the safetensors header; LoRA's
-frozen weights left out by a save hook) and what a world-size change needs (nothing: every rank loads it whole).
+frozen weights left out by a save hook), what a world-size change needs (nothing: every rank loads it whole) and the
+one float8 combination it refuses (compiled under DDP).
 """
 
 import json
@@ -22,6 +23,13 @@ class OneProcessOrDDP(Engine):
 
     def label_name(self):
         return "ddp" if self.in_process_group else ""
+
+    def float8_problem(self, compiled):
+        """float8 with torch.compile under DDP fails upstream (torchao issue 1308); one process compiles it."""
+        if compiled and self.accelerator.num_processes > 1:
+            return ("mixed precision fp8 with torch.compile under DDP fails upstream (torchao issue 1308): use "
+                    "accelerate_configs/fsdp_fp8.yaml, or this config without its dynamo_config")
+        return None
 
     @classmethod
     def engine_files(cls, layout, models, optimizers, files):

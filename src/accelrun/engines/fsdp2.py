@@ -14,7 +14,8 @@ Owns what differs from the Engine defaults under FSDP2:
     them, and prepare() sends each rank its shards (accelerate's cpu_ram_efficient_loading, switched on for this
     model); a from_pretrained model is mapped by every process (safetensors, shared page cache) and prepare() shards
     the main process's values; a quantised one is loaded whole by every process and sharded by prepare(), so a 4-bit
-    base left whole on a rank is a mistake (shards_4bit_base);
+    base left whole on a rank is a mistake (shards_4bit_base); under float8 (fsdp_fp8.yaml) every process builds or
+    loads its own whole copy, which prepare() shards;
   * its checkpoint format (torch.distributed.checkpoint's folders or the full state dict, and accelrun's per-rank
     buffers: BatchNorm statistics differ per rank), LoRA's adapters only (adapters_only), and what a world-size change
     needs (torch.distributed.checkpoint reshards by parameter name; each rank's buffers by resharding.py's rule).
@@ -28,7 +29,8 @@ import re
 import torch
 from accelerate.utils import DistributedType
 
-from ..sharded_model import QUANTISED_SHARDED, allocated_not_written
+from .. import float8
+from ..sharded_model import FLOAT8_WHOLE, QUANTISED_SHARDED, allocated_not_written
 from .base import Engine, dtype_name, numbered
 
 
@@ -106,6 +108,11 @@ class FSDP2(Engine):
     def building(self, from_pretrained=False, quantized=False):
         if from_pretrained and quantized:
             yield QUANTISED_SHARDED
+            return
+        if float8.asked(self.accelerator):
+            # accelerate's broadcast in prepare() leaves the other ranks' weights without torchao's float8 all-gather
+            # (the first forward then waits forever: accelerate refuses the combination when its config asks for it)
+            yield FLOAT8_WHOLE
             return
         # For this model only: accelerate's broadcast in prepare() handles parameters only, and fails on
         # buffers (BatchNorm's statistics: mnist, resnet) and on modules without Hugging Face's helpers.
