@@ -153,3 +153,18 @@ def test_hsdp_without_a_shard_dimension_is_refused(tmp_path):
     errors, _ = check_config.check(str(mesh_config(tmp_path, 2, 1, 2)))
     assert len(errors) == 1 and "parallelism_config_dp_shard_size: is 1 with dp_replicate_size 2" in errors[0], errors
     assert "DDP (2gpu.yaml, multinode.yaml)" in errors[0]
+
+
+def test_check_config_names_the_float8_traps(tmp_path):
+    shipped = (CONFIG_DIR / "fsdp_fp8.yaml").read_text()
+    assert check_config.check(str(CONFIG_DIR / "fsdp_fp8.yaml")) == ([], [])
+    cases = {"distributed_type: FSDP": ("distributed_type: MULTI_GPU", "mixed_precision: with torch.compile under "
+                                                                        "DDP fails upstream (torchao issue 1308)"),
+             "backend: AO": ("backend: TE", "fp8_config.backend: TE: accelrun runs torchao's float8 (AO)"),
+             "fsdp_cpu_ram_efficient_loading: false": ("fsdp_cpu_ram_efficient_loading: true",
+                                                       "accelerate refuses torchao's float8 with it")}
+    for old, (new, message) in cases.items():
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(shipped.replace(old, new))
+        errors, _ = check_config.check(str(bad))
+        assert len(errors) == 1 and message in errors[0], errors

@@ -431,6 +431,8 @@ SHARED_VALUES = {
           "two files that may grow apart",
     1 << 22: "checkpoint/lock.PID_MAX is Linux's (a pid a lock may name) and layout.MANIFEST_MAX_BYTES (4 MB) is the "
              "manifest's bound: equal by chance",
+    16: "bench/lm_memory.LORA_R (the planner's LoRA rank) and float8.MULTIPLE (the widths float8 matmuls take): equal "
+        "by chance",
 }
 
 

@@ -41,12 +41,13 @@ docs/writing-a-recipe.md is the contract a recipe relies on. One module per conc
     engines/zero.py             DeepSpeed: ZeRO 0-3 and offload, its clipping, zero.Init, fp32 masters, its format
     engines/fsdp2.py            FSDP2: fp32 reduction, the model built sharded, per-rank buffers, its format
     optimizers.py               which optimizer really steps, and the scheduler pointed at it
+    float8.py                   mixed precision fp8: which linear layers compute in float8, the hardware, refusals
     exits.py                    one message and one exit code from every rank; the process group torn down
 """
 
 # Moves with every change under src/accelrun (CHANGELOG.md, newest entry first; tests/test_source.py holds the two
 # equal); the checkpoint format has a version of its own (checkpoint/manifest.py). Pinning: docs/install.md.
-__version__ = "2.0.0"
+__version__ = "2.1.0"
 
 # Run and add_run_args are imported when a recipe asks for them (PEP 562), not with the package: importing one module
 # of accelrun (the stop command's standard-library modules, launch/slurm_launch.py's exit code) imports no torch.

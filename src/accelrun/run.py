@@ -125,7 +125,7 @@ class Run:
         """Under mixed precision fp8: the engine's refusal, or the choice of layers installed (float8.py); else None."""
         if not float8.asked(accelerator):
             return None
-        if problem := self.engine.float8_problem(accelerator.state.dynamo_plugin.backend.value != "NO"):
+        if problem := self.engine.float8_problem(self.engine.compiles):
             self.fail(problem)
         return float8.install(accelerator)
 

@@ -47,8 +47,8 @@ SEQUENCE_PARALLEL_CONFIGS = ["deepspeed_zero3_sp2.yaml"]
 # mnist under it against FSDP2 over 4 processes, and test_slurm_launch.py a 2-node job; 4 processes per recipe would
 # double the matrices' cost, so they leave it out.
 HSDP_CONFIGS = ["hsdp.yaml"]
-# float8 (fsdp_fp8.yaml) is for full fine-tunes of pretrained models: tests/test_float8.py launches finetune_lm under it;
-# the recipes' matrices leave it out (their models' linear layers are too small for float8: none would convert).
+# float8 (fsdp_fp8.yaml) is for full fine-tunes of pretrained models: tests/test_float8.py launches finetune_lm under
+# it; the recipes' matrices leave it out (their models' linear layers are too small for float8: none would convert).
 FLOAT8_CONFIGS = ["fsdp_fp8.yaml"]
 CONFIG_FILES = [c for c in YAML_FILES if c not in SEQUENCE_PARALLEL_CONFIGS + HSDP_CONFIGS + FLOAT8_CONFIGS]
 # The compiled variants are DDP / one GPU plus torch.compile: tests/test_compile.py launches gpt and mnist under

@@ -143,6 +143,12 @@ class Engine:
         """The engine's part of the label ("" for one process)."""
         return ""
 
+    @property
+    def compiles(self):
+        """Whether the config compiles the model (accelerate's dynamo_config: *_compile.yaml, fsdp_fp8.yaml)."""
+        dynamo = self.accelerator.state.dynamo_plugin
+        return dynamo is not None and dynamo.backend.value != "NO"
+
     def label(self):
         """A short name for the way this run is launched, e.g. 'ddp-2proc-bf16' or 'zero3-offload-2proc': the default
         output directory is runs/<recipe>/<label>, so swapping configs keeps each one's results, and the same command
@@ -151,8 +157,7 @@ class Engine:
         parts = [self.label_name(), "offload" if e["offload_optimizer"] else "", f"sp{e['sequence_parallel']}" if
                  e["sequence_parallel"] > 1 else "", f"{e['world_size']}proc",
                  "" if e["mixed_precision"] == "no" else e["mixed_precision"]]
-        dynamo = self.accelerator.state.dynamo_plugin
-        if dynamo is not None and dynamo.backend.value != "NO":
+        if self.compiles:
             parts.append("compile")
         return "-".join(p for p in parts if p)
 
