@@ -4,6 +4,8 @@
         --model meta-llama/Llama-3.2-1B --data-files chat.jsonl --block-size 1024 --peak-tflops 989
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/finetune_lm.py \\
         --model ./my-llama-8b --data-files 'books/*.txt' --gradient-checkpointing
+    accelerate launch --config_file accelerate_configs/fsdp_fp8.yaml recipes/finetune_lm.py \\
+        --model ./my-llama-8b --data-files chat.jsonl --gradient-checkpointing   # float8 matmuls on H100s
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/finetune_lm.py \\
         --model Qwen/Qwen2.5-7B-Instruct --data-files chat.jsonl --lora-r 16 --lr 2e-4 --merge-lora   # LoRA
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/finetune_lm.py --model ./my-llama-70b \\
