@@ -53,6 +53,21 @@ def test_the_large_layers_compute_in_float8_and_the_first_line_counts_them():
     assert float8.describe({"mixed_precision": "bf16"}) == ""
 
 
+def test_the_export_writes_the_weights_behind_torchaos_float8_wrapper(tmp_path):
+    """FSDP2's float8 all-gather wraps each converted weight; on one process the full state dict hands the wrapper to
+    the export, which safetensors could not write ('invalid python storage')."""
+    from safetensors.torch import load_file, save_file
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    weight = torch.randn(32, 16)
+    wrapped = WeightWithDynamicFloat8CastTensor(weight, LinearMMConfig(), torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError):
+        save_file({"w": wrapped.float().contiguous()}, tmp_path / "wrapped.safetensors")
+    save_file({"w": float8.plain(wrapped).float().contiguous()}, tmp_path / "plain.safetensors")
+    assert torch.equal(load_file(tmp_path / "plain.safetensors")["w"], weight)
+    assert float8.plain(weight) is weight
+
+
 def test_lora_and_4_bit_bases_are_refused_under_float8():
     fp8, bf16 = SimpleNamespace(mixed_precision="fp8"), SimpleNamespace(mixed_precision="bf16")
     assert "with --lora-r" in float8.flags_problem(fp8, lora_r=16)

@@ -4,6 +4,7 @@
 Owns:
   * whether a run computes in float8 (asked: the accelerator's; launched: the launch's environment, before
     Accelerator());
+  * the weights behind torchao's float8 wrapper, for the export (plain);
   * the choice of layers (Float8Layers, accelerate's module filter, bound to the model prepare() converts): every
     nn.Linear except the model's first and last (float8 there hurts convergence) and those too small to gain (below);
     the count, for the first line and the summary (facts);
@@ -18,6 +19,7 @@ builds the model (FSDP2: on every process, engines/fsdp2.py).
 
 import functools
 import os
+import sys
 
 import torch
 
@@ -106,6 +108,13 @@ def install(accelerator):
 
     accelerator.prepare = binding
     return layers
+
+
+def plain(tensor):
+    """The tensor behind torchao's float8 weight wrapper (FSDP2's float8 all-gather wraps each converted weight, and on
+    one process the full state dict hands the wrapper out, which safetensors cannot write); any other as it is."""
+    wrapper = getattr(sys.modules.get("torchao.float8.fsdp_utils"), "WeightWithDynamicFloat8CastTensor", None)
+    return tensor._tensor if wrapper is not None and isinstance(tensor, wrapper) else tensor
 
 
 def facts(model, layers, device_type):

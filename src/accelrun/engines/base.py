@@ -23,6 +23,7 @@ import weakref
 import torch
 from accelerate.utils import DistributedType
 
+from .. import float8
 from ..sharded_model import BUILT_WHOLE
 
 _DECIDED = weakref.WeakKeyDictionary()  # accelerator -> its engine: asked once, the same object after
@@ -241,7 +242,7 @@ class Engine:
         self.with_fp32_masters(state_dict, model)
         if not acc.is_main_process:
             return None
-        named = ((uncompiled_name(k), v) for k, v in state_dict.items())
+        named = ((uncompiled_name(k), float8.plain(v)) for k, v in state_dict.items())
         return {k: (v.float() if v.is_floating_point() else v).contiguous().cpu() for k, v in named if k not in exclude}
 
     def with_fp32_masters(self, state_dict, model):
