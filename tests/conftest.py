@@ -66,18 +66,6 @@ def deepspeed_ops(pytestconfig):
 
 
 @pytest.fixture(autouse=True)
-def _compile_stance_restored():
-    """A recipe's main() run in this process (in_process.py, the DPO and chunked-loss tests) ends its training with
-    torch.compiler.set_stance("force_eager") (Run: a finished run compiles nothing more), which holds for the whole
-    process: the next test that compiles starts from the default stance again."""
-    yield
-    if "torch" in sys.modules:
-        import torch
-        if hasattr(torch.compiler, "set_stance"):
-            torch.compiler.set_stance("default")
-
-
-@pytest.fixture(autouse=True)
 def _deepspeed_ops_before_the_first_slow_test(request):
     if request.node.get_closest_marker("slow"):
         request.getfixturevalue("deepspeed_ops")

@@ -47,6 +47,25 @@ def test_models_forward_has_no_graph_break():
 EAGER = {"1gpu_compile.yaml": "1gpu.yaml", "2gpu_compile.yaml": "2gpu.yaml"}
 
 
+def test_a_finished_run_leaves_torch_compile_compiling(tmp_path, monkeypatch):
+    """A run's training ends with torch.compiler.set_stance('force_eager') (one graph per run), which holds for the
+    whole process: Run.finish sets the default back, so that the next model compiled in this process (a notebook's,
+    a test's) is compiled, not run eagerly without a word."""
+    from in_process import run_main
+    monkeypatch.chdir(tmp_path)
+    code, output = run_main("linear_regression", ["--num-points", "64", "--epochs", "1", "--output-dir", "out"])
+    assert code == 0, output[-2000:]
+    graphs = []
+
+    def counting(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    assert torch.compile(lambda x: x * 2 + 1, backend=counting)(torch.ones(3)).tolist() == [3.0, 3.0, 3.0]
+    assert len(graphs) == 1
+
+
 @pytest.mark.parametrize("config", list(EAGER))
 def test_gpt_compiled_trains_like_eager(shelf, config):
     eager = shelf("gpt", EAGER[config])  # the matrix runs of tests/test_gpt.py

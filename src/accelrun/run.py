@@ -61,7 +61,7 @@ from .reporting import (
     quiet_progress_bars,
     start_tracking,
 )
-from .run_parts import Batch, Clock, Evaluation, Lines, Throughput
+from .run_parts import Batch, Clock, Evaluation, Lines, Throughput, compile_again
 from .run_parts import eager_if_compiled as eager_if_compiled  # where it was: a recipe or test may import it from here
 from .sharded_model import BUILT_WHOLE
 from .starting import already_complete, keeps_checkpoints, place_again, settle
@@ -353,11 +353,15 @@ class Run:
         self.profiler.stop()
         self.lines.bar.close()
         if self.stopping:
+            compile_again()
             return teardown(acc, stopped(acc, self.stopper, self.state["step"], args.checkpoint_dir))
         self.stopper.ignore_from_now()
         if self.clock.trained_at is None:  # no step left to train (--epochs 0): the end starts here
             self._training_done()
-        finish_run(acc, model, (exclude, export), self.evaluation, self.clock, self._report(summary))
+        try:
+            finish_run(acc, model, (exclude, export), self.evaluation, self.clock, self._report(summary))
+        finally:
+            compile_again()
         self.checkpointer.release()
         return teardown(acc, 0)
 

@@ -173,3 +173,10 @@ def eager_if_compiled():
     if hasattr(torch.compiler, "set_stance"):
         return torch.compiler.set_stance("force_eager")
     return contextlib.nullcontext()
+
+
+def compile_again():
+    """After a run's end: torch.compile compiles again (its training ended with set_stance('force_eager'), which
+    holds for the whole process: a notebook's or a test's next model would otherwise never compile)."""
+    if hasattr(torch.compiler, "set_stance"):
+        torch.compiler.set_stance("default")
