@@ -134,10 +134,10 @@ class DeepSpeed(Engine):
         return f"zero{self.stage}"
 
     def float8_problem(self, compiled):
-        """torchao's float8 runs under FSDP2 and one process here; DeepSpeed's engine wraps the parameters in its own
-        flat bf16 and fp32 copies, a path no test of this repository runs."""
-        return ("mixed precision fp8 is not run under DeepSpeed here (torchao's float8 is tested under FSDP2 and one "
-                "process): use accelerate_configs/fsdp_fp8.yaml")
+        """torchao's float8 runs under FSDP2, one process or DDP here; DeepSpeed's engine wraps the parameters in its
+        own flat bf16 and fp32 copies, a path no test of this repository runs."""
+        return ("mixed precision fp8 is not run under DeepSpeed here (torchao's float8 runs under FSDP2, one process "
+                "or DDP): use accelerate_configs/fsdp_fp8.yaml")
 
     def optimizer_states_problem(self, kind):
         """DeepSpeed steps its own optimizer over its fp32 partitions (or DeepSpeedCPUAdam under offload), whatever the
