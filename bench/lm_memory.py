@@ -32,6 +32,7 @@ and the master weights, gradients and moments stay as --optim-states keeps them.
 """
 
 import argparse
+import functools
 
 import torch
 
@@ -61,6 +62,7 @@ ENGINES = ("DDP", "ZeRO-2", "ZeRO-3", "ZeRO-3+off", "FSDP2")
 LORA_ENGINES = ("DDP", "ZeRO-3", "FSDP2")
 
 
+@functools.cache
 def parameters(name):
     import transformers
     kind, shape = MODELS[name]
@@ -211,6 +213,18 @@ def job_plan(size, job, length, gpus=2, gpu_gb=80.0):
             if sum(parts.values()) < gpu_gb:
                 return key, parts, chunk_tokens
     return None, parts, chunk_tokens
+
+
+def largest_full(gpus=1, gpu_gb=80.0, tokens=8192):
+    """(model of MODELS, the jobs of OPTIM_STATES that fit it) for the model of the most parameters whose full
+    fine-tune fits `gpus` GPUs of gpu_gb with `tokens` tokens per GPU, by shape_parts (gradient checkpointing, the
+    default chunks of the loss); (None, []) when none does. The GPU table's largest full fine-tune on one GPU."""
+    for name in sorted(MODELS, key=lambda m: parameters(m)[0], reverse=True):
+        n, s = parameters(name)
+        fits = [job for job in OPTIM_STATES if sum(shape_parts(n, s, job, tokens, gpus=gpus).values()) < gpu_gb]
+        if fits:
+            return name, fits
+    return None, []
 
 
 def jobs_table(gpus=2, gpu_gb=80.0):
