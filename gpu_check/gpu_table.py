@@ -6,12 +6,13 @@
     python gpu_check/gpu_table.py --dry-run --budget-s 330  # the plan: the parts in order, what the budget reaches
 
 Owns the table's parts (PARTS: one bench/benchmark.py run each), the inputs they need made on the machine (striped
-images, the 1B Llama shape with accelrun.data.tiny_hf's tokenizer, uneven chat data and DPO pairs drawn from it:
-nothing is downloaded), the compile warm-ups, the budget, and what it writes: OUT/table.md (the parts side by side
-with the goals of the issues that asked for them), OUT/table.json (every row, every part's status) and
-OUT/failures.log (the end of each failed run's log), all three rewritten the moment each part ends. OUT is --out (the
-GPU check gives its own folder), else bench/results/<date>-<gpu>/; the parts' own reports, logs, runs and the inputs
-stay in .gpu/table/<date>-<gpu>/.
+images, the 1B Llama shape with accelrun.data.tiny_hf's tokenizer, uneven chat data and DPO pairs drawn from it, and
+for issue 50's parts the shape of the largest full fine-tune bench/lm_memory.py fits on the GPU: nothing is
+downloaded), the compile warm-ups, the budget, the planner's figures beside the measured peaks, and what it writes:
+OUT/table.md (the parts side by side with the goals of the issues that asked for them), OUT/table.json (every row,
+every part's status, issue 50's peaks and ratio) and OUT/failures.log (the end of each failed run's log), all three
+rewritten the moment each part ends. OUT is --out (the GPU check gives its own folder), else
+bench/results/<date>-<gpu>/; the parts' own reports, logs, runs and the inputs stay in .gpu/table/<date>-<gpu>/.
 
 How it runs (issue 42: the first contact spent 440 s on 3 of 5 parts, mostly in process start-up and compilation;
 six warm-ups at once, each with 16 inductor workers, left the 1B compile unfinished):
@@ -27,7 +28,8 @@ six warm-ups at once, each with 16 inductor workers, left the 1B compile unfinis
      its expected time is left, else it is listed as not reached; a part still running STOP_GRACE_S before the
      budget ends gets SIGTERM and its benchmark reports the runs it finished.
 With one GPU the two engine variants (ZeRO-2 without overlap_comm, FSDP as one unit) are left out: one process
-has no gradient reduction to overlap and nothing to shard, so only the shipped configs' overhead is shown.
+has no gradient reduction to overlap and nothing to shard, so only the shipped configs' overhead is shown. The FP8
+part runs on one GPU whatever the machine (fsdp_fp8.yaml with --num_processes 1, against its +bf16 variant).
 """
 
 import argparse
