@@ -750,6 +750,16 @@ class Table:
             self.failures.append(f"== {folder}: the benchmark itself ({status}), {log}\n{log_tail(log)}")
         self.write()
 
+    def out_of_reach(self, part, parts, budget_s):
+        """Before the inputs: a part on the largest full fine-tune that the estimates cannot reach even with no
+        warm-up (reachable over the whole plan) is listed as not reached, so that its model (6 GB at 3B) is not
+        written for nothing. Returns whether it was."""
+        if not any("{large}" in arg for arg in part.args) or part in reachable(parts, budget_s - INPUTS_S):
+            return False
+        self.ended(part.folder, "not reached: the estimates put its start beyond the budget, so its model was not "
+                                "written", None)
+        return True
+
     def planned(self, part):
         """Before the runs: the planner's figure for a part that has one, into the facts (planned_gb); a state the
         planner does not fit on this GPU for the largest full fine-tune is left out, saying so. Returns why it is
@@ -875,6 +885,7 @@ def gpu_table(args):
     table = Table(out, (Path(args.work) / slug).resolve(), name, date, peak, gpus, parts)
     os.chdir(REPO)  # the parts' relative paths (mnist's data/) are the repository's, wherever this was started
     table.write()
+    parts = [p for p in parts if not table.out_of_reach(p, parts, args.budget_s)]
     table.inputs, table.progress["facts"] = write_inputs(table.work, [p for p in parts if not p.missing])
     table.progress["timings"]["inputs"] = time.monotonic() - started
     parts = [p for p in parts if not p.missing and not table.planned(p)]

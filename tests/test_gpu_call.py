@@ -385,6 +385,13 @@ def test_issue_50s_rows_set_each_peak_beside_the_planners_figure(tmp_path, monke
     assert by_part["optim-states-1b-8bit"]["met"] is True and by_part["optim-states-1b-bf16"]["met"] is False
     assert by_part["optim-states-1b-8bit"]["ratio"] == pytest.approx(1.1)
     assert "optim-states-largest-fp32" not in by_part  # left out: neither measured nor planned
+    # a budget the estimates say never reaches the largest fine-tune's parts: its model is not written for nothing
+    every, fp8 = gpu_table.selected(None), next(p for p in table.parts if p.folder == "finetune-fp8")
+    assert table.out_of_reach(fp8, every, 540) is True
+    assert table.progress["statuses"]["finetune-fp8"] == ("not reached: the estimates put its start beyond the "
+                                                          "budget, so its model was not written")
+    assert table.out_of_reach(fp8, [fp8], 300) is False  # asked alone (--parts), it is reached
+    assert table.out_of_reach(next(p for p in table.parts if p.folder == "optim-states-1b-8bit"), every, 540) is False
 
 
 def test_the_planners_figures_come_from_the_model_written(tmp_path):
