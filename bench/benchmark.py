@@ -65,7 +65,9 @@ BASELINES = {"ddp-by-hand (per-sample ToTensor)": "per-sample", "ddp-by-hand (te
 DDP = "2gpu.yaml"
 # CONFIG+VARIANT in --configs: a shipped config with one change, for the comparisons of --gpu-table.
 VARIANTS = {"deepspeed_zero2.yaml+no-overlap": "ZeRO-2 with overlap_comm false",
-            "fsdp.yaml+one-unit": "FSDP with the whole model as one unit (fsdp_auto_wrap_policy NO_WRAP)"}
+            "fsdp.yaml+one-unit": "FSDP with the whole model as one unit (fsdp_auto_wrap_policy NO_WRAP)",
+            "fsdp_fp8.yaml+bf16": "fsdp_fp8.yaml launched with --mixed_precision bf16: no float8, the rest the same "
+                                  "(regional compilation included), the float8 run's peer"}
 LEAN = "lean loop"  # bench/lean_loop.py's rows: "lean loop", "lean loop (compiled)", "lean loop (CPU)" ...
 # recipe throughput / lean-loop throughput: (goal, when it applies). GPU goals; on a CPU the ratio is shown, not judged.
 LEAN_GOALS = {"mnist": (0.80, "MNIST at global batch 512, on a GPU"), "gpt": (0.90, "GPT-124M compiled, on a GPU")}
@@ -87,8 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=0,
                    help="GLOBAL batch (0: mnist 128, gpt 32, resnet 64, finetune_lm 8, dpo 8 pairs)")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
-                   help="override every config's precision (the baselines are fp32)")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16", "fp8"], default="no",
+                   help="override every config's precision (the baselines are fp32); fp8 only for the configs "
+                        "that are float8's (mixed_precision: fp8, as fsdp_fp8.yaml; its +bf16 variant runs bf16)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each, interleaved; the report takes medians")
     p.add_argument("--log-every", type=int, default=10, help="loss records per run, for the time to --target-loss")
     p.add_argument("--target-loss", type=float, default=None,
@@ -108,6 +111,11 @@ def parse_args(argv=None):
     wrong = [c for c in args.configs if "+" in c and c not in VARIANTS]
     if wrong:
         p.error(f"no such variant: {', '.join(wrong)} (there are {', '.join(VARIANTS)})")
+    not_fp8 = [c for c in args.configs if args.mixed_precision == "fp8" and "+" not in c
+               and load_config(c).get("mixed_precision") != "fp8"]
+    if not_fp8:
+        p.error(f"--mixed-precision fp8 is for float8's configs (mixed_precision: fp8, as fsdp_fp8.yaml); "
+                f"not {', '.join(not_fp8)}")
     args.batch_size = args.batch_size or DEFAULT_BATCH[args.recipe]
     if args.steps < 3 or args.repeats < 1:
         p.error("--steps must be at least 3 (the first step is start-up) and --repeats at least 1")
@@ -142,7 +150,7 @@ def variant_config(config, out_dir):
     """(config file, DeepSpeed JSON overrides) that run `config`: the shipped file, or for CONFIG+VARIANT
     (VARIANTS) a copy of it in out_dir with the variant's one change, or the JSON change to make."""
     base, _, variant = config.partition("+")
-    if not variant:
+    if not variant or variant == "bf16":  # bf16: the shipped file, its precision set by config_launch
         return CONFIGS / base, {}
     if variant == "no-overlap":  # the ZeRO reduction after backward instead of overlapping it
         return CONFIGS / base, {"zero_optimization": {"overlap_comm": False}}
@@ -229,6 +237,7 @@ def config_launch(config, processes, on_gpu, mixed_precision, out):
     """accelerate launch arguments and environment that run `config` here with `processes` processes."""
     cfg = load_config(config)
     config_file, overrides = variant_config(config, out)
+    mixed_precision = "bf16" if config.endswith("+bf16") else mixed_precision
     args, env = ["--config_file", str(config_file), "--main_process_port", str(free_port()),
                  "--mixed_precision", mixed_precision], {}
     copy = deepspeed_json_in(config, mixed_precision, out, overrides)

@@ -25,12 +25,18 @@ norms' fp32 copies, q/k/v, the attention output, the MLP's four i-wide tensors),
 only each layer's input (2 d bytes) stays, plus one layer recomputed at a time. LoRA adds, per layer, the dropped-out
 copy of each adapted layer's input and its mask (3 bytes per element: 6 d + i elements per token,
 none with --lora-dropout 0), and the adapters' r-wide outputs (negligible).
+FP8 (accelerate_configs/fsdp_fp8.yaml, torchao's float8 linears): the same as bf16 but for the layers FSDP2
+gathers: the linear layers accelrun/float8.py converts are gathered in float8 (1 byte per parameter instead of 2).
+Nothing else changes: the float8 linears save their bf16 input and weight for backward (the activations are bf16's),
+and the master weights, gradients and moments stay as --optim-states keeps them. FP8 is a lever for speed, not memory.
 """
 
 import argparse
+import functools
 
 import torch
 
+from accelrun import float8
 from accelrun.finetune.loss_flags import DEFAULT_CHUNK_TOKENS
 from accelrun.finetune.optim_states import STATE_BYTES
 from accelrun.finetune.qlora import NF4_BYTES
@@ -56,6 +62,7 @@ ENGINES = ("DDP", "ZeRO-2", "ZeRO-3", "ZeRO-3+off", "FSDP2")
 LORA_ENGINES = ("DDP", "ZeRO-3", "FSDP2")
 
 
+@functools.cache
 def parameters(name):
     import transformers
     kind, shape = MODELS[name]
@@ -119,7 +126,10 @@ JOB_MODELS = {"8B": "meta-llama/Llama-3.1-8B", "14B": "Qwen/Qwen2.5-14B", "32B":
 # 2 + 1/32 bytes per parameter); the fp32 master weights and gradients stay (4 + 4 bytes: finetune_lm.py loads a full
 # fine-tune in fp32), so the states go from 16 to 12 or about 10 bytes per parameter, sharded.
 OPTIM_STATES = {"full": "fp32", "full bf16 states": "bf16", "full 8-bit states": "8bit"}
-JOBS = (*OPTIM_STATES, "LoRA", "QLoRA")
+# Full fine-tunes under fsdp_fp8.yaml (float8 linears, FSDP2's float8 all-gather), each the same as its bf16 job (the
+# value) but for the layers gathered: the converted linears in float8. FSDP2 only (no Ulysses: sp2 is DeepSpeed's).
+FP8_JOBS = {"full FP8": "full", "full FP8 8-bit states": "full 8-bit states"}
+JOBS = (*OPTIM_STATES, *FP8_JOBS, "LoRA", "QLoRA")
 LORA_R = 16
 # The flags each job's plan assumes, in every cell: what a cell copied as printed runs is what was planned (LoRA's
 # --lr is docs/recipes.md's, not a memory matter).
@@ -127,11 +137,35 @@ JOB_FLAGS = {"full": "--gradient-checkpointing", "full bf16 states": "--gradient
              "full 8-bit states": "--gradient-checkpointing --optim-states 8bit",
              "LoRA": f"--gradient-checkpointing --lora-r {LORA_R} --lr 2e-4",
              "QLoRA": f"--gradient-checkpointing --lora-r {LORA_R} --lr 2e-4 --load-in-4bit"}
+JOB_FLAGS.update({job: JOB_FLAGS[base] for job, base in FP8_JOBS.items()})  # float8 is the config's, no flag
 COMMAND = ("accelerate launch --config_file accelerate_configs/CONFIG recipes/finetune_lm.py --model MODEL "
            "--data-files DATA")
 LENGTHS = (2048, 8192, 32768)
 SMALL_CHUNK_TOKENS = 2048  # --loss-chunk-tokens of a cell whose plan needs chunks smaller than the default
-SHARDED = {"fsdp": "accelerate_configs/fsdp.yaml", "sp2": "accelerate_configs/deepspeed_zero3_sp2.yaml"}
+SHARDED = {"fsdp": "accelerate_configs/fsdp.yaml", "sp2": "accelerate_configs/deepspeed_zero3_sp2.yaml",
+           "fsdp_fp8": "accelerate_configs/fsdp_fp8.yaml"}
+
+
+def base_job(job):
+    """The bf16 job an FP8 job is (FP8_JOBS), else the job itself: its flags, states and activations."""
+    return FP8_JOBS.get(job, job)
+
+
+def decoder_linears(s):
+    """(input width, output width) of each linear layer of one decoder layer of the shape s: q, k, v, o, gate, up,
+    down."""
+    d, i = s["hidden_size"], s["intermediate_size"]
+    kv = d // s["num_attention_heads"] * s["num_key_value_heads"]
+    return [(d, d), (d, kv), (d, kv), (d, d), (d, i), (d, i), (i, d)]
+
+
+def in_float8(width_in, width_out):
+    """Whether fsdp_fp8.yaml runs a decoder linear layer of these widths in float8: float8.py's own decision
+    (Float8Layers: not too small to gain, widths multiples of 16), asked of a layer on the meta device. The model's
+    first linear (layer 0's q) stays bf16 too: d x d bytes more in one gathered pair, left out (under 0.07 GB)."""
+    with torch.device("meta"):
+        layer = torch.nn.Linear(width_in, width_out, bias=False)
+    return float8.Float8Layers()(layer, "")
 
 
 def job_parts(name, job, length, sp=1, gpus=2, chunks=None, lora_r=LORA_R, chunk_tokens=DEFAULT_CHUNK_TOKENS):
@@ -148,12 +182,15 @@ def shape_parts(n, s, job, length, sp=1, gpus=2, chunks=None, lora_r=LORA_R, chu
     loss's chunks: at most chunk_tokens positions (--loss-chunk-tokens), or with chunks N the count form."""
     d, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
     a = adapter_parameters(s, lora_r)
-    kv = d // s["num_attention_heads"] * s["num_key_value_heads"]
-    linear = layers * (2 * d * d + 2 * d * kv + 3 * d * i)  # the decoder's linear layers: what 4-bit quantises
-    per_layer = linear // layers
+    widths = decoder_linears(s)
+    per_layer = sum(w_in * w_out for w_in, w_out in widths)
+    linear = layers * per_layer  # the decoder's linear layers: what 4-bit quantises
     full = {job: (8 + STATE_BYTES[kind]) * n for job, kind in OPTIM_STATES.items()}
-    states = {**full, "LoRA": 2 * n + 16 * a, "QLoRA": NF4_BYTES * linear + 2 * (n - linear) + 16 * a}[job]
-    gathered = 2 * per_layer * (NF4_BYTES if job == "QLoRA" else 2)
+    states = {**full, "LoRA": 2 * n + 16 * a, "QLoRA": NF4_BYTES * linear + 2 * (n - linear) + 16 * a}[base_job(job)]
+    # bytes of one gathered layer's linears: bf16, NF4, or float8 for those float8.py converts
+    layer_bytes = (sum(w_in * w_out * (1 if in_float8(w_in, w_out) else 2) for w_in, w_out in widths)
+                   if job in FP8_JOBS else per_layer * (NF4_BYTES if job == "QLoRA" else 2))
+    gathered = 2 * layer_bytes
     tokens = length / sp
     activations = layers * 2 * d * tokens + (24 * d + 8 * i) * tokens
     logits = 10 * vocab * (tokens / chunks if chunks else min(tokens, chunk_tokens))
@@ -166,15 +203,28 @@ def job_plan(size, job, length, gpus=2, gpu_gb=80.0):
     size): the 2 GPUs as data-parallel FSDP2 ranks, one sequence each; else both on one sequence (Ulysses, sp 2);
     each with the default chunks of the loss, else SMALL_CHUNK_TOKENS (one sequence per GPU holds fewer loss
     positions than the default chunk: smaller chunks hold fewer logits). Low-precision optimizer states: FSDP2 only
-    (DeepSpeed refuses --optim-states)."""
+    (DeepSpeed refuses --optim-states); FP8: fsdp_fp8.yaml only."""
     # DeepSpeed keeps its own fp32 optimizer states: --optim-states bf16 or 8bit only under FSDP2 (or DDP)
-    ways = (("fsdp", 1),) if OPTIM_STATES.get(job, "fp32") != "fp32" else (("fsdp", 1), ("sp2", 2))
+    ways = ((("fsdp_fp8", 1),) if job in FP8_JOBS else
+            (("fsdp", 1),) if OPTIM_STATES.get(job, "fp32") != "fp32" else (("fsdp", 1), ("sp2", 2)))
     for key, sp in ways:
         for chunk_tokens in (DEFAULT_CHUNK_TOKENS, SMALL_CHUNK_TOKENS):
             parts = job_parts(JOB_MODELS[size], job, length, sp, gpus, chunk_tokens=chunk_tokens)
             if sum(parts.values()) < gpu_gb:
                 return key, parts, chunk_tokens
     return None, parts, chunk_tokens
+
+
+def largest_full(gpus=1, gpu_gb=80.0, tokens=8192):
+    """(model of MODELS, the jobs of OPTIM_STATES that fit it) for the model of the most parameters whose full
+    fine-tune fits `gpus` GPUs of gpu_gb with `tokens` tokens per GPU, by shape_parts (gradient checkpointing, the
+    default chunks of the loss); (None, []) when none does. The GPU table's largest full fine-tune on one GPU."""
+    for name in sorted(MODELS, key=lambda m: parameters(m)[0], reverse=True):
+        n, s = parameters(name)
+        fits = [job for job in OPTIM_STATES if sum(shape_parts(n, s, job, tokens, gpus=gpus).values()) < gpu_gb]
+        if fits:
+            return name, fits
+    return None, []
 
 
 def jobs_table(gpus=2, gpu_gb=80.0):
@@ -193,7 +243,7 @@ def jobs_table(gpus=2, gpu_gb=80.0):
                 key, parts, chunk_tokens = job_plan(size, job, length, gpus, gpu_gb)
                 total = sum(parts.values())
                 if key:
-                    batch = "--batch-size 2" if key == "fsdp" else "--batch-size 1 --no-packing"
+                    batch = "--batch-size 1 --no-packing" if key == "sp2" else "--batch-size 2"
                     chunks = "" if chunk_tokens == DEFAULT_CHUNK_TOKENS else f" --loss-chunk-tokens {chunk_tokens}"
                     cells.append(f"{total:.0f} GB: `{SHARDED[key].split('/')[-1]} --block-size {length} {batch} "
                                  f"{JOB_FLAGS[job]}{chunks}`")
@@ -258,7 +308,8 @@ if __name__ == "__main__":
     p.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per micro-batch per GPU (batch x length)")
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank of the second table (0: no LoRA table)")
     p.add_argument("--jobs", action="store_true",
-                   help="instead: the long-context table (8B to 70B, full / LoRA / QLoRA, 2k / 8k / 32k tokens)")
+                   help="instead: the long-context table (8B to 70B; full with fp32, bf16 or 8-bit states, in bf16 "
+                        "or FP8, LoRA, QLoRA; 2k / 8k / 32k tokens)")
     p.add_argument("--dpo", action="store_true",
                    help="instead: DPO's table (recipes/dpo.py: LoRA, QLoRA, full with a precomputed or a frozen "
                         "reference; 2k / 8k / 32k tokens per sequence)")

@@ -6,12 +6,13 @@
     python gpu_check/gpu_table.py --dry-run --budget-s 330  # the plan: the parts in order, what the budget reaches
 
 Owns the table's parts (PARTS: one bench/benchmark.py run each), the inputs they need made on the machine (striped
-images, the 1B Llama shape with accelrun.data.tiny_hf's tokenizer, uneven chat data and DPO pairs drawn from it:
-nothing is downloaded), the compile warm-ups, the budget, and what it writes: OUT/table.md (the parts side by side
-with the goals of the issues that asked for them), OUT/table.json (every row, every part's status) and
-OUT/failures.log (the end of each failed run's log), all three rewritten the moment each part ends. OUT is --out (the
-GPU check gives its own folder), else bench/results/<date>-<gpu>/; the parts' own reports, logs, runs and the inputs
-stay in .gpu/table/<date>-<gpu>/.
+images, the 1B Llama shape with accelrun.data.tiny_hf's tokenizer, uneven chat data and DPO pairs drawn from it, and
+for issue 50's parts the shape of the largest full fine-tune bench/lm_memory.py fits on the GPU: nothing is
+downloaded), the compile warm-ups, the budget, the planner's figures beside the measured peaks, and what it writes:
+OUT/table.md (the parts side by side with the goals of the issues that asked for them), OUT/table.json (every row,
+every part's status, issue 50's peaks and ratio) and OUT/failures.log (the end of each failed run's log), all three
+rewritten the moment each part ends. OUT is --out (the GPU check gives its own folder), else
+bench/results/<date>-<gpu>/; the parts' own reports, logs, runs and the inputs stay in .gpu/table/<date>-<gpu>/.
 
 How it runs (issue 42: the first contact spent 440 s on 3 of 5 parts, mostly in process start-up and compilation;
 six warm-ups at once, each with 16 inductor workers, left the 1B compile unfinished):
@@ -27,7 +28,8 @@ six warm-ups at once, each with 16 inductor workers, left the 1B compile unfinis
      its expected time is left, else it is listed as not reached; a part still running STOP_GRACE_S before the
      budget ends gets SIGTERM and its benchmark reports the runs it finished.
 With one GPU the two engine variants (ZeRO-2 without overlap_comm, FSDP as one unit) are left out: one process
-has no gradient reduction to overlap and nothing to shard, so only the shipped configs' overhead is shown.
+has no gradient reduction to overlap and nothing to shard, so only the shipped configs' overhead is shown. The FP8
+part runs on one GPU whatever the machine (fsdp_fp8.yaml with --num_processes 1, against its +bf16 variant).
 """
 
 import argparse
@@ -80,6 +82,8 @@ class Part:
     first: bool = False  # the first stage: the fine-tune parts
     missing: str = ""  # a part the recipe cannot run yet: why. Listed in its place, never run
     goal: str = ""  # the goal its comparison is judged by, shown in the plan (--dry-run) under the part
+    # (model input, --optim-states): its peak memory is set beside bench/lm_memory.py's figure for that run
+    planned: tuple = ()
 
 
 FULL, EAGER, COMPILED = ("1gpu.yaml", "1gpu_compile.yaml"), "1gpu.yaml", "1gpu_compile.yaml"
@@ -114,6 +118,45 @@ def attention_parts():
     return parts
 
 
+# Issue 50, item 4: AdamW's moments in fp32, bf16 and 8 bits (--optim-states) on one GPU, for the 1B shape ({llama})
+# and for the largest full fine-tune bench/lm_memory.py fits on this GPU ({large}: that model's shape, built here as
+# the 1B is), each run's peak memory beside the planner's figure for it; then that fine-tune (its states
+# {large_states}: the most precise that fit) in float8 against bf16, both compiled. Every run as the planner plans
+# it: --gradient-checkpointing, the default chunks of the loss, STEP_TOKENS on the one GPU (FINETUNE's global batch 8
+# of blocks of 1024, packed: every position a token).
+STEP_TOKENS = benchmark.DEFAULT_BATCH["finetune_lm"] * 1024
+OPTIM_STATES = ("fp32", "bf16", "8bit")  # recipes/finetune_lm.py's --optim-states
+MEMORY_GOAL = 0.15  # measured peak / the planner's figure within 1 +- this
+FP8_GOAL = 1.15  # FP8 / bf16 real tokens/s (torchtune +15%, accelerate's example 1.25x, torchtitan 1.28x at 8B)
+SHAPES = {"llama": ("1b", "the 1B Llama shape", 40), "large": ("largest", "the largest full fine-tune the planner "
+                                                                         "fits on this GPU (its shape)", 60)}
+FP8_CONFIGS = ("fsdp_fp8.yaml", "fsdp_fp8.yaml+bf16")  # the float8 run, and the same config in bf16
+
+
+def optim_states_parts():
+    """Issue 50's parts: --optim-states fp32, bf16, 8bit for each shape of SHAPES on one GPU (1gpu.yaml, eager: peak
+    memory beside the planner's), then FP8 against bf16 on the largest (fsdp_fp8.yaml on one process: real
+    tokens/s)."""
+    parts = []
+    for key, (label, what, expected) in SHAPES.items():
+        for states in OPTIM_STATES:
+            parts.append(Part(f"optim-states-{label}-{states}", (
+                "--recipe", "finetune_lm", "--configs", EAGER, "--steps", "10", "--num-processes", "1",
+                "--recipe-args", f"{FINETUNE.replace('{llama}', '{' + key + '}')} --packing --gradient-checkpointing "
+                                 f"--optim-states {states}"),
+                f"{what}, full fine-tune with --optim-states {states}, --gradient-checkpointing, one GPU: peak memory "
+                f"beside bench/lm_memory.py's figure", expected, first=True, planned=(key, states),
+                goal=f"peak memory within {100 * MEMORY_GOAL:.0f}% of the planner's figure for this run"))
+    parts.append(Part("finetune-fp8", (
+        "--recipe", "finetune_lm", "--configs", *FP8_CONFIGS, "--steps", "10", "--num-processes", "1",
+        "--mixed-precision", "fp8", "--recipe-args",
+        f"{FINETUNE.replace('{llama}', '{large}')} --packing --gradient-checkpointing --optim-states {{large_states}}"),
+        f"{SHAPES['large'][1]}: fsdp_fp8.yaml on one process, float8 against the same config with "
+        "--mixed_precision bf16, both compiled (its regional compilation): real tokens/s", 150, 150, 60, first=True,
+        goal=f"FP8 / bf16 >= {FP8_GOAL:g}x real tokens/s"))
+    return parts
+
+
 # In the order they run: the fine-tunes first, then the rest; a budget cut leaves out the last ones.
 PARTS = [
     Part("finetune-full", ("--recipe", "finetune_lm", "--configs", *FULL, "--steps", "20",
@@ -143,6 +186,7 @@ PARTS = [
                       "--recipe-args", DPO),
          "1B Llama shape, LoRA r 16 DPO (recipes/dpo.py) on pairs of the chats' answers, the reference the adapters "
          "disabled: real tokens/s and peak memory", 40, first=True),
+    *optim_states_parts(),
     Part("gpt", ("--recipe", "gpt", "--preset", "124M", "--configs", *FULL, "--steps", "60"),
          "GPT-124M: throughput, MFU, recipe / lean loop (goal compiled), compile speed-up", 70, 70, 12),
     Part("mnist", ("--recipe", "mnist", "--configs", *FULL, "--no-baselines", "--steps", "200", "--batch-size", "512"),
@@ -204,15 +248,19 @@ def reachable(parts, left_s):
     return out
 
 
+# The variants that compare what one process lacks (a reduction to overlap, parameters to shard): left out on one GPU.
+ENGINE_VARIANTS = ("deepspeed_zero2.yaml+no-overlap", "fsdp.yaml+one-unit")
+
+
 def part_argv(part, peak_tflops, inputs, gpus, leave_out=()):
     """bench/benchmark.py's arguments for one part on this machine: the inputs filled in, MFU's peak for the
-    recipes that report MFU, with one GPU no CONFIG+VARIANT (see the module docstring), and without the configs
-    of leave_out (compiled runs whose warm-up did not end)."""
+    recipes that report MFU, with one GPU no ENGINE_VARIANTS (see the module docstring), without the configs of
+    leave_out (compiled runs whose warm-up did not end), in bf16 unless the part names its precision."""
     argv = []
     for arg in part.args:
         for key, path in inputs.items():
             arg = arg.replace("{" + key + "}", str(path))
-        if (gpus >= 2 or arg not in benchmark.VARIANTS) and arg not in leave_out:
+        if (gpus >= 2 or arg not in ENGINE_VARIANTS) and arg not in leave_out:
             argv.append(arg)
     recipe = argv[argv.index("--recipe") + 1]
     if recipe in ("gpt", "finetune_lm"):  # the lean loop takes the same flag
@@ -222,7 +270,7 @@ def part_argv(part, peak_tflops, inputs, gpus, leave_out=()):
             argv[at] = f"{argv[at]} {extra}"
         else:
             argv += ["--recipe-args", extra]
-    return argv + ["--mixed-precision", "bf16"]
+    return argv if "--mixed-precision" in argv else argv + ["--mixed-precision", "bf16"]  # the FP8 part's: its own
 
 
 def part_command(part, out, peak_tflops, inputs, gpus, leave_out=()):
@@ -342,29 +390,36 @@ def chat_conversations(n=CHATS, seed=0):
     return chats
 
 
-def write_finetune_inputs(root, shape=LLAMA_1B, device="cuda"):
-    """root/llama (the tests' tokenizer and a Llama of `shape` with random weights, saved in bf16) and
-    root/chats.jsonl (chat_conversations); returns their paths and the chats' token counts."""
-    import json
-
+def write_model(folder, shape=LLAMA_1B, device="cuda", kind="LlamaConfig"):
+    """folder: the tests' tokenizer and a causal LM of `shape` (transformers' config class `kind`) with random
+    weights, saved in bf16 (kept when there already); returns the tokenizer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     from accelrun.data.tiny_hf import corpus, write_tokenizer  # the byte-level BPE and chat template the tests use
-    llama, chats = root / "llama", root / "chats.jsonl"
-    tokenizer = write_tokenizer(llama, [p + r for p, r in corpus()])
-    if not (llama / "model.safetensors").exists():
-        config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **shape)
+    tokenizer = write_tokenizer(folder, [p + r for p, r in corpus()])
+    if not (folder / "model.safetensors").exists():
+        config = getattr(transformers, kind)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                             **shape)
         torch.manual_seed(0)
         with torch.device(device):  # random weights drawn on the GPU: seconds, where the CPU takes minutes
-            model = LlamaForCausalLM(config)
-        model.to(torch.bfloat16).save_pretrained(llama)
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        model.to(torch.bfloat16).save_pretrained(folder)
         del model
         if device == "cuda":  # give the GPU back to the runs: this process stays up for the whole table
             import gc
             gc.collect()
             torch.cuda.empty_cache()
+    return tokenizer
+
+
+def write_finetune_inputs(root, shape=LLAMA_1B, device="cuda"):
+    """root/llama (the tests' tokenizer and a Llama of `shape` with random weights, saved in bf16) and
+    root/chats.jsonl (chat_conversations); returns their paths and the chats' token counts."""
+    import json
+    llama, chats = root / "llama", root / "chats.jsonl"
+    tokenizer = write_model(llama, shape, device)
     conversations = chat_conversations()
     chats.write_text("".join(json.dumps(c) + "\n" for c in conversations))
     lengths = sorted(len(tokenizer.apply_chat_template(c["messages"], return_dict=True)["input_ids"])
@@ -390,8 +445,60 @@ def write_preference_pairs(path, n=CHATS // 4, seed=0):
     return path
 
 
-def write_inputs(out, parts):
-    """The inputs the selected parts need, in out/inputs/: {name: path}, and what they hold."""
+def planner():
+    """bench/lm_memory.py, imported when a part needs it: it imports torch and transformers, which the plan of the
+    other parts does without."""
+    import lm_memory
+    return lm_memory
+
+
+def large_shape(gpu_gb):
+    """(model, its config class, its published shape but the vocabulary, the states that fit): the largest full
+    fine-tune bench/lm_memory.py fits on one GPU of gpu_gb at STEP_TOKENS tokens (SHAPES' "large")."""
+    lm_memory = planner()
+    name, fits = lm_memory.largest_full(gpus=1, gpu_gb=gpu_gb, tokens=STEP_TOKENS)
+    if name is None:
+        raise ValueError(f"bench/lm_memory.py fits no full fine-tune on one GPU of {gpu_gb:.0f} GB")
+    kind, shape = lm_memory.MODELS[name]
+    shape = {k: v for k, v in shape.items() if k != "vocab_size"}  # the tests' tokenizer's, as the 1B's
+    return name, kind, {**shape, "max_position_embeddings": LLAMA_1B["max_position_embeddings"]}, \
+        [lm_memory.OPTIM_STATES[job] for job in fits]
+
+
+def model_facts(folder):
+    """{parameters, shape} of the model saved in folder (its config.json; counted on the meta device, nothing
+    loaded): what the planner's figure for a run of it needs."""
+    import torch
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size")
+    return {"parameters": sum(p.numel() for p in model.parameters()), "shape": {k: getattr(config, k) for k in keys}}
+
+
+def planned_gb(part, facts):
+    """GB the planner puts a part's run at (bench/lm_memory.py's shape_parts for the model it ran, one GPU,
+    STEP_TOKENS), or None for a part without `planned` or a model not written."""
+    model = facts.get("models", {}).get(part.planned[0]) if part.planned else None
+    if not model:
+        return None
+    lm_memory = planner()
+    job = next(job for job, states in lm_memory.OPTIM_STATES.items() if states == part.planned[1])
+    return sum(lm_memory.shape_parts(model["parameters"], model["shape"], job, STEP_TOKENS, gpus=1).values())
+
+
+def gpu_memory_gb():
+    """This GPU's memory (GB), for the planner's largest full fine-tune; 80 without one."""
+    import torch
+    return torch.cuda.get_device_properties(0).total_memory / 1e9 if torch.cuda.is_available() else 80.0
+
+
+def write_inputs(out, parts, gpu_gb=None):
+    """The inputs the selected parts need, in out/inputs/: {name: path}, and what they hold (the models' facts for
+    the planner's figures; the largest full fine-tune on one GPU of gpu_gb, this GPU's memory by default, when a part
+    runs it)."""
     root = out / "inputs"
     root.mkdir(parents=True, exist_ok=True)
     inputs, facts = {}, {}
@@ -401,9 +508,17 @@ def write_inputs(out, parts):
         inputs["images"] = root / "images"
         if not (inputs["images"] / "train").exists():
             write_image_folder(inputs["images"], train_per_class=1024, val_per_class=128, size=32)
-    if "{llama}" in needs:
+    if "{llama}" in needs or "{large}" in needs:
         paths, facts["chats"] = write_finetune_inputs(root)
         inputs.update(paths)
+        facts["models"] = {"llama": model_facts(paths["llama"])}
+    if "{large}" in needs:  # only when a part runs it: seconds on the GPU, and 6 GB on disk at 3B
+        gpu_gb = gpu_gb or gpu_memory_gb()
+        name, kind, shape, fits = large_shape(gpu_gb)
+        inputs["large"], inputs["large_states"] = root / name, fits[0]  # the states: the most precise that fit
+        write_model(inputs["large"], shape, kind=kind)
+        facts["models"]["large"] = model_facts(inputs["large"])
+        facts["largest"] = {"model": name, "gpu_gb": gpu_gb, "states_that_fit": fits}
     if "{pairs}" in needs:
         inputs["pairs"] = write_preference_pairs(root / "pairs.jsonl")
     return inputs, facts
@@ -470,6 +585,46 @@ def finetune_lines(by):
         f"LoRA {shown(ratio(by, (lora, COMPILED), (lora, EAGER)))}", *attention_lines(by)]
 
 
+def optim_states_rows(by, facts):
+    """Issue 50's figures: [{part, model, states, peak_gb, planned_gb, ratio, met}] for each --optim-states run
+    measured or planned (peak: the run's max_memory_allocated; met: within MEMORY_GOAL of the planner's), and
+    {fp8, bf16, ratio, met} for FP8 against bf16 (real tokens/s); None where nothing of it was measured."""
+    rows, planned = [], facts.get("planned_gb", {})
+    for part in PARTS:
+        row = by.get((part.folder, EAGER))
+        if not part.planned or (row is None and part.folder not in planned):
+            continue
+        peak = None if not row or "failed" in row else max(row["peak_memory_mb_per_rank"]) * 2 ** 20 / 1e9
+        plan = planned.get(part.folder)
+        value = peak / plan if peak and plan else None
+        model = (facts.get("largest") or {}).get("model", "the largest") if part.planned[0] == "large" else "1B"
+        rows.append({"part": part.folder, "model": model, "states": part.planned[1], "peak_gb": peak,
+                     "planned_gb": plan, "ratio": value,
+                     "met": None if value is None else abs(value - 1) <= MEMORY_GOAL})
+    fp8, bf16 = (("finetune-fp8", config) for config in FP8_CONFIGS)
+    if fp8 not in by and bf16 not in by:
+        return rows, None
+    value = ratio(by, fp8, bf16)
+    return rows, {"fp8": fp8[1], "bf16": bf16[1], "ratio": value,
+                  "met": None if value is None else value >= FP8_GOAL}
+
+
+def optim_states_lines(by, facts):
+    """Issue 50's comparisons for table.md, each with its goal: every --optim-states run's peak memory beside the
+    planner's figure, FP8 / bf16 real tokens/s."""
+    rows, fp8 = optim_states_rows(by, facts)
+    gb = lambda v: "-" if v is None else f"{v:.1f} GB"  # noqa: E731
+    lines = [f"- optimizer states, {r['model']} shape, --optim-states {r['states']}, one GPU: peak {gb(r['peak_gb'])}"
+             f", the planner's {gb(r['planned_gb'])}: measured / planned {shown(r['ratio'])} (goal within "
+             f"{100 * MEMORY_GOAL:.0f}%: {'not measured' if r['met'] is None else 'met' if r['met'] else 'NOT met'})"
+             for r in rows]
+    if fp8:
+        model = (facts.get("largest") or {}).get("model", "the largest")
+        lines.append(f"- FP8 / bf16, {model} shape, fsdp_fp8.yaml on one process, compiled (real tokens/s): "
+                     f"{shown(fp8['ratio'], FP8_GOAL)}")
+    return lines
+
+
 def attention_lines(by):
     """Issue 55's comparisons, each with its goal: flex packed against padded and dense packed at each block."""
     lines = []
@@ -525,7 +680,7 @@ def markdown(reports, name, date, peak, progress):
              "| part | run | procs | throughput | MFU | step ms | peak MB per proc | padding | FSDP units |",
              "|---|---|---|---|---|---|---|---|---|", *rows,
              "", "Comparisons (throughput ratios of the runs above):", "",
-             *finetune_lines(by), *recipe_lines(by, reports)]
+             *finetune_lines(by), *optim_states_lines(by, progress["facts"]), *recipe_lines(by, reports)]
     if progress["gpus"] < 2 and any(p in reports for p in ("zero2-overlap", "fsdp-units")):
         lines.append("- With one GPU, ZeRO-2 and FSDP run one process: there is no reduction to overlap and nothing "
                      "to shard, so their variants (no-overlap, one-unit) are left out and the shipped configs show "
@@ -595,6 +750,32 @@ class Table:
             self.failures.append(f"== {folder}: the benchmark itself ({status}), {log}\n{log_tail(log)}")
         self.write()
 
+    def out_of_reach(self, part, parts, budget_s):
+        """Before the inputs: a part on the largest full fine-tune that the estimates cannot reach even with no
+        warm-up (reachable over the whole plan) is listed as not reached, so that its model (6 GB at 3B) is not
+        written for nothing. Returns whether it was."""
+        if not any("{large}" in arg for arg in part.args) or part in reachable(parts, budget_s - INPUTS_S):
+            return False
+        self.ended(part.folder, "not reached: the estimates put its start beyond the budget, so its model was not "
+                                "written", None)
+        return True
+
+    def planned(self, part):
+        """Before the runs: the planner's figure for a part that has one, into the facts (planned_gb); a state the
+        planner does not fit on this GPU for the largest full fine-tune is left out, saying so. Returns why it is
+        left out, or ""."""
+        facts = self.progress["facts"]
+        largest = facts.get("largest") or {}
+        if part.planned[:1] == ("large",) and largest and part.planned[1] not in largest["states_that_fit"]:
+            why = (f"left out: bench/lm_memory.py does not fit {largest['model']} with --optim-states "
+                   f"{part.planned[1]} on one GPU of {largest['gpu_gb']:.0f} GB")
+            self.ended(part.folder, why, None)
+            return why
+        figure = planned_gb(part, facts)
+        if figure is not None:
+            facts.setdefault("planned_gb", {})[part.folder] = figure
+        return ""
+
     def warmed(self, ended, log_dir):
         self.progress["warm"].update(ended)
         for run, how in ended.items():
@@ -606,9 +787,10 @@ class Table:
     def write(self):
         reports = reports_in(self.work, [p.folder for p in self.parts])
         text = markdown(reports, self.name, self.date, self.peak, self.progress)
+        memory, fp8 = optim_states_rows(table_rows(reports)[0], self.progress["facts"])
         data = {"gpu": self.name, "date": self.date, "peak_tflops": self.peak, **self.progress,
                 "parts": {folder: {"table": r["table"], "ratios": r["ratios"], "settings": r.get("settings")}
-                          for folder, r in reports.items()}}
+                          for folder, r in reports.items()}, "optim_states": memory, "fp8": fp8}
         write_atomically(self.out / "table.json", json.dumps(data, indent=1, default=str))
         write_atomically(self.out / "table.md", text)
         write_atomically(self.out / "failures.log", "\n\n".join(self.failures) + "\n" if self.failures else "")
@@ -621,6 +803,10 @@ def plan_lines(parts, budget_s):
     built yet, are marked."""
     lines = [f"table: {budget_s:.0f} s, the fine-tune parts first (expected seconds on one H100: estimates, none "
              "measured yet)", f"  {'inputs':<44} ~{INPUTS_S:>3.0f} s  (until {INPUTS_S:.0f} s)"]
+    if any("{large}" in arg for part in parts for arg in part.args):
+        name, _, _, fits = large_shape(80.0)
+        lines.append(f"  {'':<44} the largest full fine-tune bench/lm_memory.py fits on one GPU of 80 GB (on the "
+                     f"machine: of its GPU's memory): {name}, --optim-states {', '.join(fits)} (FP8 with {fits[0]})")
     at, number = INPUTS_S, 0
     for stage, members in stages(parts):
         warm = [p for p in reachable(members, budget_s - at) if p.warm_gb]
@@ -699,9 +885,11 @@ def gpu_table(args):
     table = Table(out, (Path(args.work) / slug).resolve(), name, date, peak, gpus, parts)
     os.chdir(REPO)  # the parts' relative paths (mnist's data/) are the repository's, wherever this was started
     table.write()
+    parts = [p for p in parts if not table.out_of_reach(p, parts, args.budget_s)]
     table.inputs, table.progress["facts"] = write_inputs(table.work, [p for p in parts if not p.missing])
     table.progress["timings"]["inputs"] = time.monotonic() - started
-    commands = [(p, part_command(p, table.work, peak, table.inputs, gpus)) for p in parts if not p.missing]
+    parts = [p for p in parts if not p.missing and not table.planned(p)]
+    commands = [(p, part_command(p, table.work, peak, table.inputs, gpus)) for p in parts]
     for stage, members in stages(parts):
         run_stage(stage, members, table, commands, deadline, args.no_warm)
     text = table.write()

@@ -270,11 +270,14 @@ def gpu_table_modules():
     return benchmark, gpu_table
 
 
-INPUTS = {"images": "/in/images", "llama": "/in/llama", "chats": "/in/chats.jsonl", "pairs": "/in/pairs.jsonl"}
+INPUTS = {"images": "/in/images", "llama": "/in/llama", "chats": "/in/chats.jsonl", "pairs": "/in/pairs.jsonl",
+          "large": "/in/large", "large_states": "fp32"}
 LONG_PARTS = [f"finetune-{form}-{block}" for block in (4096, 8192) for form in ("flex", "dense", "padded")]
 TABLE = ["finetune-full", "finetune-lora", "finetune-padded", "finetune-lora-zero3", "finetune-chunked-loss",
          "finetune-qlora", *LONG_PARTS, "finetune-chunk-tokens-8192", "finetune-chunks-8-8192",  # issue 55
-         "dpo-lora", "gpt", "mnist", "resnet", "zero2-overlap", "fsdp-units"]
+         "dpo-lora", *(f"optim-states-{shape}-{states}" for shape in ("1b", "largest")  # issue 50
+                       for states in ("fp32", "bf16", "8bit")), "finetune-fp8",
+         "gpt", "mnist", "resnet", "zero2-overlap", "fsdp-units"]
 
 
 def test_gpu_table_plans_every_comparison(tmp_path):
@@ -289,7 +292,8 @@ def test_gpu_table_plans_every_comparison(tmp_path):
         assert list(runs) == TABLE
         for folder, cmd in runs.items():
             args = benchmark.parse_args(cmd[2:])  # exits on an unknown config, variant or flag
-            assert args.mixed_precision == "bf16" and Path(args.out) == tmp_path / folder
+            assert args.mixed_precision == ("fp8" if folder == "finetune-fp8" else "bf16"), folder
+            assert Path(args.out) == tmp_path / folder
             assert "{" not in args.recipe_args, args.recipe_args  # every input filled in
             configs[gpus, folder] = args.configs
             assert ("--peak-tflops 756" in args.recipe_args) == (args.recipe in ("gpt", "finetune_lm")), folder
@@ -364,7 +368,9 @@ def test_gpu_table_warms_each_compiled_run_with_its_own_command(tmp_path, monkey
     warms = gpu_table.warm_plan(commands, gpu_table.PARTS, tmp_path, threads=16, cores=16)
     compiled = ["1gpu_compile.yaml", "lean loop (compiled)"]
     assert [(w.part, w.name) for w in warms] == [("finetune-full", compiled[0]), ("finetune-lora", compiled[0])] + [
-        (part, compiled[0]) for part in LONG_PARTS] + [("gpt", c) for c in compiled] + [
+        (part, compiled[0]) for part in LONG_PARTS] + [("finetune-fp8", c) for c in ("fsdp_fp8.yaml",
+                                                                                     "fsdp_fp8.yaml+bf16")] + [
+        ("gpt", c) for c in compiled] + [
         ("mnist", c) for c in compiled] + [("resnet", compiled[0])]
     steps = {"--max-steps", "--eval-every", "--epochs", "--steps", "--warmup-steps", "--main_process_port"}
 

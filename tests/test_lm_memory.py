@@ -63,17 +63,44 @@ def test_each_cell_copied_as_printed_runs_what_was_planned():
                 config, *flags = shlex.split(re.search(r"`([^`]+)`", cell).group(1))
                 assert f"accelerate_configs/{config}" == lm_memory.SHARDED[key]
                 assert (REPO / lm_memory.SHARDED[key]).is_file()
+                assert (config == "fsdp_fp8.yaml") == (job in lm_memory.FP8_JOBS), cell  # FP8: its config, only
                 args = parse_args(["--model", model, "--data-files", "DATA", *flags])
                 assert args.block_size == length and args.gradient_checkpointing, cell
-                assert args.lora_r == (0 if job in lm_memory.OPTIM_STATES else lm_memory.LORA_R), cell
-                assert args.optim_states == lm_memory.OPTIM_STATES.get(job, "fp32"), cell
+                base = lm_memory.base_job(job)
+                assert args.lora_r == (0 if base in lm_memory.OPTIM_STATES else lm_memory.LORA_R), cell
+                assert args.optim_states == lm_memory.OPTIM_STATES.get(base, "fp32"), cell
                 assert args.load_in_4bit == (job == "QLoRA"), cell
                 assert args.loss_chunks is None, cell  # the token form: the default, or the smaller chunks planned
                 assert args.loss_chunk_tokens == (None if chunk_tokens == lm_memory.DEFAULT_CHUNK_TOKENS
                                                   else chunk_tokens), cell
-                assert args.packing == (key == "fsdp"), cell
+                assert args.packing == (key != "sp2"), cell
                 cells += 1
-    assert cells == 32  # 8B 15, 14B 7 (8-bit states at 2k), 32B 6, 70B 4
+    # 8B 20 (FP8 at 32k: no, it has no sequence parallelism), 14B 8 (8-bit states at 2k, in bf16 and FP8), 32B 6,
+    # 70B 4
+    assert cells == 38
+
+
+def test_fp8_gathers_the_layers_float8_py_converts_in_one_byte_and_changes_nothing_else():
+    """Issue 50, item 4: an FP8 job is its bf16 job but for the two layers FSDP2 gathers, whose float8 linears take 1
+    byte per parameter instead of 2. float8.py decides which: at 14B (hidden 5120) every decoder linear, so the
+    gathered part is half; at 8B (hidden 4096, k and v 4096 -> 1024: too small to gain) k and v stay bf16."""
+    from accelrun import float8
+    for size, base in (("14B", "full"), ("8B", "full 8-bit states")):
+        job = next(j for j, b in lm_memory.FP8_JOBS.items() if b == base)
+        bf16, fp8 = (lm_memory.job_parts(lm_memory.JOB_MODELS[size], j, 8192) for j in (base, job))
+        assert {k: v for k, v in fp8.items() if k != "gathered layers"} == \
+            {k: v for k, v in bf16.items() if k != "gathered layers"}
+        if size == "14B":
+            assert fp8["gathered layers"] == pytest.approx(bf16["gathered layers"] / 2)
+    _, shape = lm_memory.parameters("Llama-3.1-8B")
+    kv = 4096 // 32 * 8
+    assert kv <= float8.SMALL_OUTPUT and 4096 <= float8.SMALL_INPUT  # float8.py's own rule keeps them in bf16
+    assert [lm_memory.in_float8(*w) for w in lm_memory.decoder_linears(shape)] == [True, False, False, True, True,
+                                                                                     True, True]
+    # bf16 gathered minus FP8's: the five float8 linears' one byte saved, twice (the computing and the prefetched)
+    saved = 2 * sum(a * b for (a, b), f8 in zip(lm_memory.decoder_linears(shape), [1, 0, 0, 1, 1, 1, 1]) if f8)
+    assert bf16["gathered layers"] - fp8["gathered layers"] == pytest.approx(saved / 1e9)
+    assert not lm_memory.in_float8(4096, 1000) and lm_memory.in_float8(5120, 1024)  # not a multiple of 16; wide K
 
 
 def test_dpo_rows_hold_what_each_reference_costs():
