@@ -99,6 +99,20 @@ def test_a_gpu_without_float8_is_refused_before_accelerator(monkeypatch, capabil
     assert float8.hardware_problem({"ACCELERATE_MIXED_PRECISION": "bf16"}) is None
 
 
+def test_the_launch_check_stops_a_float8_run_on_such_a_gpu(monkeypatch, capsys):
+    """check_gpus_before_start (Run's first call, before Accelerator()) says it in one line and exits 2."""
+    from accelrun.refusals import check_gpus_before_start
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        check_gpus_before_start()
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"error: {float8.hardware_problem()}\n"
+
+
 def test_finetune_lm_refuses_lora_under_float8_in_one_line(hf, monkeypatch):
     from in_process import run_main
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
