@@ -281,15 +281,15 @@ def check_float8(raw, problems, processes=None):
     """mixed_precision fp8: torchao's backend, and a way of running that computes in float8 (its engine decides)."""
     if raw.get("mixed_precision") != "fp8":
         return
-    backend = (raw.get("fp8_config") or {}).get("backend", "AO")
-    if str(backend).upper() != "AO":
-        problems.error("fp8_config.backend", f"{backend}: accelrun runs torchao's float8 (AO); Transformer Engine and "
-                       f"MS-AMP are neither installed nor tested here", "write backend: AO (fsdp_fp8.yaml)")
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
+    from accelrun import float8
     from accelrun.engines import Engine
+    backend = (raw.get("fp8_config") or {}).get("backend", float8.BACKEND)
+    if problem := float8.backend_problem(backend):
+        problems.error("fp8_config.backend", f"{backend}: {problem}", "write backend: AO (fsdp_fp8.yaml)")
     try:
         running = DistributedType(raw.get("distributed_type"))
     except ValueError:

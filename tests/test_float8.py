@@ -99,6 +99,15 @@ def test_a_gpu_without_float8_is_refused_before_accelerator(monkeypatch, capabil
     assert float8.hardware_problem({"ACCELERATE_MIXED_PRECISION": "bf16"}) is None
 
 
+def test_a_backend_other_than_torchaos_is_refused_before_accelerator():
+    """accelerate's Accelerator() raises an ImportError for Transformer Engine, which is not installed: one line."""
+    problem = float8.hardware_problem({"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "TE"})
+    assert problem == ("mixed precision fp8 with fp8_config backend TE: accelrun runs torchao's float8 (AO); "
+                       "Transformer Engine and MS-AMP are neither installed nor tested here: write backend: AO "
+                       "(fsdp_fp8.yaml)")
+    assert float8.hardware_problem({"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "AO"}) is None
+
+
 def test_the_launch_check_stops_a_float8_run_on_such_a_gpu(monkeypatch, capsys):
     """check_gpus_before_start (Run's first call, before Accelerator()) says it in one line and exits 2."""
     from accelrun.refusals import check_gpus_before_start

@@ -8,6 +8,7 @@ Owns:
   * the choice of layers (Float8Layers, accelerate's module filter, bound to the model prepare() converts): every
     nn.Linear except the model's first and last (float8 there hurts convergence) and those too small to gain (below);
     the count, for the first line and the summary (facts);
+  * the backend: torchao's (AO), refused otherwise before Accelerator();
   * the hardware: a GPU without float8 matmuls (compute capability below 8.9, before Hopper and Ada) refused before
     Accelerator(), which would end in a traceback; on the CPU torch runs the float8 matmuls too, slowly, so a CPU run
     goes ahead as a check of the wiring, and its first line says so;
@@ -28,6 +29,7 @@ import torch
 SMALL_INPUT, SMALL_OUTPUT = 4096, 1024
 MULTIPLE = 16  # the float8 matmul's widths are multiples of 16 (torch._scaled_mm)
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9) and Hopper (9.0) on
+BACKEND = "AO"  # torchao, which requirements.txt installs and the tests run
 
 
 def launched(environ=os.environ):
@@ -40,10 +42,24 @@ def asked(accelerator):
     return getattr(accelerator, "mixed_precision", None) == "fp8"
 
 
+def backend_problem(backend):
+    """None, or why accelerate's float8 backend `backend` (fp8_config's backend; NO: accelerate picks the installed
+    one, torchao) is not one accelrun runs."""
+    if str(backend).upper() in (BACKEND, "NO", ""):
+        return None
+    return "accelrun runs torchao's float8 (AO); Transformer Engine and MS-AMP are neither installed nor tested here"
+
+
 def hardware_problem(environ=os.environ):
-    """Before Accelerator(): None, or why this machine's GPU cannot compute in float8 (one line naming the configs
-    that can). A machine without a GPU runs the float8 path as a wiring check (facts says so)."""
-    if not launched(environ) or not torch.cuda.is_available() or environ.get("ACCELERATE_USE_CPU") in ("1", "true"):
+    """Before Accelerator(): None, or why this launch cannot compute in float8 (one line naming what can): a backend
+    accelrun does not run (accelerate's Accelerator() would end in an ImportError's traceback), or a GPU without
+    float8. A machine without a GPU runs the float8 path as a wiring check (facts says so)."""
+    if not launched(environ):
+        return None
+    backend = environ.get("ACCELERATE_FP8_BACKEND", "")
+    if problem := backend_problem(backend):
+        return f"mixed precision fp8 with fp8_config backend {backend}: {problem}: write backend: AO (fsdp_fp8.yaml)"
+    if not torch.cuda.is_available() or environ.get("ACCELERATE_USE_CPU") in ("1", "true"):
         return None
     capability = torch.cuda.get_device_capability()
     if capability >= MIN_CAPABILITY:
