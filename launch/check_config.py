@@ -24,7 +24,8 @@ And for FSDP's mesh (parallelism_config: HSDP's dp_replicate_size x dp_shard_siz
     once every process has started);
   * dp_replicate_size above 1 with dp_shard_size 1: FSDP has nothing to shard over (accelerate refuses it too).
 And for float8 (mixed_precision fp8, fsdp_fp8.yaml):
-  * a backend other than torchao's (AO): Transformer Engine and MS-AMP are not what accelrun installs or tests;
+  * torchao missing, or a backend other than torchao's (AO): Transformer Engine and MS-AMP are not what accelrun
+    installs or tests;
   * the ways of running that refuse it, in their engine's words (DeepSpeed; torch.compile under DDP);
   * fsdp_cpu_ram_efficient_loading true under FSDP: accelerate refuses it with torchao's float8 at start-up.
 Exit 0 when the config is usable (notes are printed), 2 with one line per problem otherwise.
@@ -32,6 +33,7 @@ launch/slurm_launch.py runs this check in every task before it launches anything
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -287,19 +289,30 @@ def check_float8(raw, problems, processes=None):
 
     from accelrun import float8
     from accelrun.engines import Engine
-    backend = (raw.get("fp8_config") or {}).get("backend", float8.BACKEND)
+    if importlib.util.find_spec("torchao") is None:
+        problems.error("mixed_precision", "fp8 needs torchao, which is not installed (accelerate launch ends in a "
+                       "traceback)", "pip install -r requirements.txt")
+
+    def section(key):  # a section of the YAML, {} where it is missing or not a mapping
+        value = raw.get(key)
+        return value if isinstance(value, dict) else {}
+
+    backend = section("fp8_config").get("backend", float8.BACKEND)
     if problem := float8.backend_problem(backend):
         problems.error("fp8_config.backend", f"{backend}: {problem}", "write backend: AO (fsdp_fp8.yaml)")
     try:
         running = DistributedType(raw.get("distributed_type"))
     except ValueError:
         return  # accelerate's loader has named it
-    engine = Engine.of(SimpleNamespace(distributed_type=running, num_processes=processes or raw.get("num_processes")))
-    compiled = str((raw.get("dynamo_config") or {}).get("dynamo_backend", "NO")).upper() != "NO"
+    processes = processes or raw.get("num_processes")
+    if not isinstance(processes, int):  # none given (or no number: accelerate's loader says so): one without DDP
+        processes = 1 if running == DistributedType.NO else 2
+    engine = Engine.of(SimpleNamespace(distributed_type=running, num_processes=processes))
+    compiled = str(section("dynamo_config").get("dynamo_backend", "NO")).upper() != "NO"
     if problem := engine.float8_problem(compiled):
         problems.error("mixed_precision", problem.removeprefix("mixed precision fp8 "), "see docs/configs.md, "
                        "'FP8 on H100s'")
-    if running == DistributedType.FSDP and (raw.get("fsdp_config") or {}).get("fsdp_cpu_ram_efficient_loading"):
+    if running == DistributedType.FSDP and section("fsdp_config").get("fsdp_cpu_ram_efficient_loading"):
         problems.error("fsdp_config.fsdp_cpu_ram_efficient_loading", "true with mixed_precision fp8: accelerate "
                        "refuses torchao's float8 with it when the job starts", "set it to false (fsdp_fp8.yaml)")
 

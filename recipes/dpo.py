@@ -231,7 +231,7 @@ def main(argv=None):
     model, dtype = load_model(args, accelerator.mixed_precision, attention, engine=run.engine,
                               sharded_init=run.sharded_init, fail=run.fail)
     chunks, chunk_tokens = loss_chunking(args)  # --loss-chunks N, or chunks of --loss-chunk-tokens loss positions
-    chunking = (chunks, accelerator.state.dynamo_plugin.backend.value != "NO", chunk_tokens)
+    chunking = (chunks, run.engine.compiles, chunk_tokens)
     head = install(model, *chunking)
     # LoRA's frozen base, and a full fine-tune's reference (loaded again on resume), are --model's weights: a resume
     # checks them (LoRA's under finetune_lm's name and refusal; a full fine-tune's as one more setting that differs)

@@ -314,7 +314,7 @@ def main(argv=None):
     kind, attention, mask = attention_for(args, config, accelerator, data, sp, run)  # flex or sdpa, refused or not
     model, dtype = load_model(args, accelerator.mixed_precision, attention, engine=run.engine,
                               sharded_init=run.sharded_init, fail=run.fail)
-    compiled = accelerator.state.dynamo_plugin.backend.value != "NO"  # *_compile.yaml: one graph, the plain loss
+    compiled = run.engine.compiles  # *_compile.yaml, fsdp_fp8.yaml: one graph, the plain loss
     chunks, chunk_tokens = loss_chunking(args)  # --loss-chunks N, or chunks of --loss-chunk-tokens loss positions
     head = install(model, chunks, compiled, chunk_tokens)  # the loss in chunks through the output layer, or None
     zero3_lora_note(args, run.engine, accelerator, n_params, dtype, run.print)

@@ -168,3 +168,17 @@ def test_check_config_names_the_float8_traps(tmp_path):
         bad.write_text(shipped.replace(old, new))
         errors, _ = check_config.check(str(bad))
         assert len(errors) == 1 and message in errors[0], errors
+
+
+@pytest.mark.parametrize("content", [
+    "distributed_type: MULTI_GPU\nmixed_precision: fp8\ndynamo_config:\n  dynamo_backend: INDUCTOR\n",
+    "distributed_type: FSDP\nmixed_precision: fp8\nfp8_config: 5\nfsdp_config: 3\ndynamo_config: 4\n",
+])
+def test_a_float8_config_with_sections_missing_or_malformed_gets_lines_not_a_traceback(tmp_path, content):
+    """No num_processes under MULTI_GPU: DDP's several processes, so compile is refused; sections that are not
+    mappings: read as empty."""
+    config = tmp_path / "m.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\n" + content)
+    errors, _ = check_config.check(str(config))
+    assert all(isinstance(line, str) for line in errors)
+    assert any("torchao issue 1308" in line for line in errors) == content.startswith("distributed_type: MULTI_GPU")

@@ -88,24 +88,28 @@ def test_the_engines_refuse_the_ways_that_do_not_run_float8():
 
 @pytest.mark.parametrize("capability, refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])
 def test_a_gpu_without_float8_is_refused_before_accelerator(monkeypatch, capability, refused):
-    """accelerate itself raises a traceback from Accelerator() on such a GPU: the launch is stopped first."""
+    """accelerate's Accelerator() would run fp16 instead on such a GPU, with only a log warning (a CPU run with that
+    GPU visible too): the launch is stopped first."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
-    problem = float8.hardware_problem({"ACCELERATE_MIXED_PRECISION": "fp8"})
+    problem = float8.launch_problem({"ACCELERATE_MIXED_PRECISION": "fp8"})
     assert (problem is not None) == refused
     if refused:
-        assert "this NVIDIA A100-SXM4-80GB has 8.0: use fsdp.yaml (bf16)" in problem and "\n" not in problem
-    assert float8.hardware_problem({"ACCELERATE_MIXED_PRECISION": "bf16"}) is None
+        assert "this NVIDIA A100-SXM4-80GB has 8.0, and accelerate would run fp16 instead" in problem
+        assert "use fsdp.yaml (bf16)" in problem and "CUDA_VISIBLE_DEVICES=" in problem and "\n" not in problem
+    cpu_run = {"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_USE_CPU": "True"}
+    assert (float8.launch_problem(cpu_run) is not None) == refused
+    assert float8.launch_problem({"ACCELERATE_MIXED_PRECISION": "bf16"}) is None
 
 
 def test_a_backend_other_than_torchaos_is_refused_before_accelerator():
     """accelerate's Accelerator() raises an ImportError for Transformer Engine, which is not installed: one line."""
-    problem = float8.hardware_problem({"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "TE"})
+    problem = float8.launch_problem({"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "TE"})
     assert problem == ("mixed precision fp8 with fp8_config backend TE: accelrun runs torchao's float8 (AO); "
                        "Transformer Engine and MS-AMP are neither installed nor tested here: write backend: AO "
                        "(fsdp_fp8.yaml)")
-    assert float8.hardware_problem({"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "AO"}) is None
+    assert float8.launch_problem({"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "AO"}) is None
 
 
 def test_the_launch_check_stops_a_float8_run_on_such_a_gpu(monkeypatch, capsys):
@@ -119,7 +123,57 @@ def test_the_launch_check_stops_a_float8_run_on_such_a_gpu(monkeypatch, capsys):
     with pytest.raises(SystemExit) as stopped:
         check_gpus_before_start()
     assert stopped.value.code == 2
-    assert capsys.readouterr().err == f"error: {float8.hardware_problem()}\n"
+    assert capsys.readouterr().err == f"error: {float8.launch_problem()}\n"
+
+
+class Failed(Exception):
+    pass
+
+
+def float8_run(distributed_type, processes, dynamo="INDUCTOR", backend="AO"):
+    """A Run at its float8 decision (Run._float8) for an accelerator of this kind; run.fail raises Failed."""
+    from accelerate.utils.dataclasses import FP8BackendType
+
+    from accelrun.engines import Engine
+    from accelrun.run import Run
+    state = SimpleNamespace(dynamo_plugin=SimpleNamespace(backend=SimpleNamespace(value=dynamo)))
+    accelerator = SimpleNamespace(distributed_type=distributed_type, num_processes=processes, mixed_precision="fp8",
+                                  state=state, fp8_backend=FP8BackendType(backend),
+                                  ao_recipe_handler=SimpleNamespace(module_filter_func=None), prepare=lambda *a: a)
+    run = Run.__new__(Run)  # only what _float8 uses: the engine and fail
+    run.engine = Engine.of(accelerator)
+
+    def fail(message):
+        raise Failed(message)
+
+    run.fail = fail
+    return run, accelerator
+
+
+def test_run_refuses_float8_where_its_engine_does_and_installs_the_choice_elsewhere():
+    run, accelerator = float8_run(DistributedType.MULTI_GPU, 2)
+    with pytest.raises(Failed, match="torchao issue 1308"):
+        run._float8(accelerator)
+    run, accelerator = float8_run(DistributedType.MULTI_GPU, 2, backend="TE")
+    with pytest.raises(Failed, match="mixed precision fp8 with accelerate's backend TE: accelrun runs torchao's"):
+        run._float8(accelerator)
+    run, accelerator = float8_run(DistributedType.FSDP, 2)
+    layers = run._float8(accelerator)
+    assert isinstance(layers, float8.Float8Layers) and accelerator.ao_recipe_handler.module_filter_func is layers
+    model = Net()
+    accelerator.prepare(model)  # binds the model prepare() is given: its first and last stay bf16
+    assert layers.ends == {"first", "last"}
+
+
+def test_dpo_refuses_lora_under_float8_in_one_line(hf, monkeypatch):
+    from accelrun.finetune.preference import write_toy_pairs
+    from in_process import run_main
+    write_toy_pairs(hf / "float8-prefs.jsonl")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    code, output = run_main("dpo", ["--model", str(hf / "model"), "--data-files", str(hf / "float8-prefs.jsonl"),
+                                    "--lora-r", "8", "--output-dir", str(hf / "dpo-lora8")])
+    assert code == 2 and "error: mixed precision fp8 is for full fine-tunes: with --lora-r" in output
+    assert "Traceback" not in output
 
 
 def test_finetune_lm_refuses_lora_under_float8_in_one_line(hf, monkeypatch):

@@ -9,9 +9,9 @@ Owns:
     nn.Linear except the model's first and last (float8 there hurts convergence) and those too small to gain (below);
     the count, for the first line and the summary (facts);
   * the backend: torchao's (AO), refused otherwise before Accelerator();
-  * the hardware: a GPU without float8 matmuls (compute capability below 8.9, before Hopper and Ada) refused before
-    Accelerator(), which would end in a traceback; on the CPU torch runs the float8 matmuls too, slowly, so a CPU run
-    goes ahead as a check of the wiring, and its first line says so;
+  * the hardware: a visible GPU without float8 matmuls (compute capability below 8.9, before Hopper and Ada) refused
+    before Accelerator(), which would switch the run to fp16 with only a log warning; on the CPU torch runs the
+    float8 matmuls too, slowly, so a CPU run goes ahead as a check of the wiring, and its first line says so;
   * the flags it refuses: LoRA and 4-bit bases (flags_problem; no source reports a gain for LoRA, whose adapters are
     too small for float8, and a 4-bit layer is no plain nn.Linear to convert).
 The engines say what their way of running refuses (Engine.float8_problem: compile under DDP, DeepSpeed) and how it
@@ -50,24 +50,26 @@ def backend_problem(backend):
     return "accelrun runs torchao's float8 (AO); Transformer Engine and MS-AMP are neither installed nor tested here"
 
 
-def hardware_problem(environ=os.environ):
+def launch_problem(environ=os.environ):
     """Before Accelerator(): None, or why this launch cannot compute in float8 (one line naming what can): a backend
-    accelrun does not run (accelerate's Accelerator() would end in an ImportError's traceback), or a GPU without
-    float8. A machine without a GPU runs the float8 path as a wiring check (facts says so)."""
+    accelrun does not run (accelerate's Accelerator() would end in an ImportError's traceback), or a visible GPU
+    without float8 (Accelerator() would switch to fp16 with only a log warning, even for a CPU run). A machine
+    without a GPU runs the float8 path as a wiring check (facts says so)."""
     if not launched(environ):
         return None
     backend = environ.get("ACCELERATE_FP8_BACKEND", "")
     if problem := backend_problem(backend):
         return f"mixed precision fp8 with fp8_config backend {backend}: {problem}: write backend: AO (fsdp_fp8.yaml)"
-    if not torch.cuda.is_available() or environ.get("ACCELERATE_USE_CPU") in ("1", "true"):
+    if not torch.cuda.is_available():  # a CPU run, even with --cpu, is decided by the GPU accelerate sees
         return None
     capability = torch.cuda.get_device_capability()
     if capability >= MIN_CAPABILITY:
         return None
     name = torch.cuda.get_device_name()
     return (f"mixed precision fp8 needs float8 matmuls (an H100, H200 or L40S: compute capability 8.9 or more); "
-            f"this {name} has {capability[0]}.{capability[1]}: use fsdp.yaml (bf16), which fsdp_fp8.yaml is with "
-            f"float8 added")
+            f"this {name} has {capability[0]}.{capability[1]}, and accelerate would run fp16 instead without a word: "
+            f"use fsdp.yaml (bf16), which fsdp_fp8.yaml is with float8 added (for a wiring check on the CPU, hide the "
+            f"GPU: CUDA_VISIBLE_DEVICES=)")
 
 
 def flags_problem(accelerator, lora_r=0, load_in_4bit=False):
@@ -109,8 +111,9 @@ class Float8Layers:
 
 
 def install(accelerator):
-    """Before prepare(): accelerate converts each model prepare() is given with Float8Layers, bound to that model
-    (accelerate's own filter keeps only the first and last in bf16, and would convert the small layers)."""
+    """Before prepare() (accelerate chose torchao: accelerator.ao_recipe_handler exists): accelerate converts each
+    model prepare() is given with Float8Layers, bound to that model (accelerate's own filter keeps only the first and
+    last in bf16, and would convert the small layers)."""
     layers = Float8Layers()
     accelerator.ao_recipe_handler.module_filter_func = layers
     prepare = accelerator.prepare

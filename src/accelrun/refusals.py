@@ -30,14 +30,14 @@ def check_gpus_before_start(sequence_parallel=False):
     """Before Accelerator(), before any library is imported for the engine: a config with sequence parallelism for a
     recipe without it (sequence_parallel False: sequence_parallel_refusal); more processes on this node than it has
     GPUs would die in CUDA set-up with 'invalid device ordinal' a minute later; a DeepSpeed or FSDP config without a
-    GPU needs the CPU route (engine_without_gpu); float8 on a GPU without it (float8.hardware_problem). Every rank
+    GPU needs the CPU route (engine_without_gpu); float8 on a GPU without it (float8.launch_problem). Every rank
     refuses at once, the first one saying why."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     first = os.environ.get("LOCAL_RANK", "0") == "0"
     if not sequence_parallel and (size := Engine.launched_sequence_parallel()) > 1:
         report(sequence_parallel_refusal(size), first)
         sys.exit(2)
-    if problem := float8.hardware_problem():
+    if problem := float8.launch_problem():
         report(problem, first)
         sys.exit(2)
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")

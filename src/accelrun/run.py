@@ -125,6 +125,10 @@ class Run:
         """Under mixed precision fp8: the engine's refusal, or the choice of layers installed (float8.py); else None."""
         if not float8.asked(accelerator):
             return None
+        backend = getattr(accelerator.fp8_backend, "value", accelerator.fp8_backend)  # accelerate's choice, made now
+        if problem := float8.backend_problem(backend):
+            self.fail(f"mixed precision fp8 with accelerate's backend {backend}: {problem}: install torchao "
+                      f"(requirements.txt)")
         if problem := self.engine.float8_problem(self.engine.compiles):
             self.fail(problem)
         return float8.install(accelerator)

@@ -23,7 +23,9 @@ import torch
 
 BUILT_WHOLE = "built whole on every process"  # any model built outside sharded_init(), too
 QUANTISED_SHARDED = "loaded whole and quantised by every process, sharded by prepare()"
-# FSDP2 with float8 (fsdp_fp8.yaml): accelerate refuses torchao's float8 with its broadcast from the main process
+# FSDP2 with float8 (fsdp_fp8.yaml): accelerate refuses torchao's float8 with its broadcast from the main process. A
+# model initialised at random is then the same on every process only when it is built after set_seed(), as every
+# recipe here builds it; a from_pretrained one is the files'.
 FLOAT8_WHOLE = "built whole on every process (float8: prepare() shards each process's own copy)"
 
 
