@@ -45,7 +45,8 @@ def asked(accelerator):
 def backend_problem(backend):
     """None, or why accelerate's float8 backend `backend` (fp8_config's backend; NO: accelerate picks the installed
     one, torchao) is not one accelrun runs."""
-    if str(backend).upper() in (BACKEND, "NO", ""):
+    from accelerate.utils.dataclasses import FP8BackendType
+    if str(backend).upper() in (BACKEND, FP8BackendType.NO.value, ""):
         return None
     return "accelrun runs torchao's float8 (AO); Transformer Engine and MS-AMP are neither installed nor tested here"
 
