@@ -299,7 +299,7 @@ def check_float8(raw, problems, processes=None):
 
     backend = section("fp8_config").get("backend", float8.BACKEND)
     if problem := float8.backend_problem(backend):
-        problems.error("fp8_config.backend", f"{backend}: {problem}", "write backend: AO (fsdp_fp8.yaml)")
+        problems.error("fp8_config.backend", f"{backend}: {problem}", float8.BACKEND_FIX)
     try:
         running = DistributedType(raw.get("distributed_type"))
     except ValueError:

@@ -30,6 +30,8 @@ SMALL_INPUT, SMALL_OUTPUT = 4096, 1024
 MULTIPLE = 16  # the float8 matmul's widths are multiples of 16 (torch._scaled_mm)
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9) and Hopper (9.0) on
 BACKEND = "AO"  # torchao, which requirements.txt installs and the tests run
+BACKEND_FIX = f"write backend: {BACKEND} (fsdp_fp8.yaml)"  # the fix the launch check and check_config name
+ODD = f"not a multiple of {MULTIPLE}"  # Float8Layers' reason for widths float8 matmuls cannot take
 
 
 def launched(environ=os.environ):
@@ -60,7 +62,7 @@ def launch_problem(environ=os.environ):
         return None
     backend = environ.get("ACCELERATE_FP8_BACKEND", "")
     if problem := backend_problem(backend):
-        return f"mixed precision fp8 with fp8_config backend {backend}: {problem}: write backend: AO (fsdp_fp8.yaml)"
+        return f"mixed precision fp8 with fp8_config backend {backend}: {problem}: {BACKEND_FIX}"
     if not torch.cuda.is_available():  # a CPU run, even with --cpu, is decided by the GPU accelerate sees
         return None
     capability = torch.cuda.get_device_capability()
@@ -92,7 +94,7 @@ class Float8Layers:
     those whose widths are not multiples of MULTIPLE. Records what it decided, by reason."""
 
     def __init__(self):
-        self.ends, self.kept = set(), {"first and last": 0, "too small": 0, "not a multiple of 16": 0}
+        self.ends, self.kept = set(), {"first and last": 0, "too small": 0, ODD: 0}
 
     def bind(self, model):
         """The model prepare() converts next: its first and last linear layers stay in bf16."""
@@ -104,7 +106,7 @@ class Float8Layers:
             return False
         out_features, in_features = module.weight.shape
         reason = ("first and last" if fqn in self.ends else
-                  "not a multiple of 16" if in_features % MULTIPLE or out_features % MULTIPLE else
+                  ODD if in_features % MULTIPLE or out_features % MULTIPLE else
                   "too small" if in_features <= SMALL_INPUT and out_features <= SMALL_OUTPUT else None)
         if reason:
             self.kept[reason] += 1

@@ -109,4 +109,4 @@ def zero3_lora_note(args, engine, accelerator, n_params, dtype, say):
     gpu_gb = torch.cuda.get_device_properties(index).total_memory / 1e9  # one process: "cuda", no index
     if base_gb < gpu_gb / 2:
         say(f"note: LoRA's frozen base ({base_gb:.1f} GB) fits one GPU ({gpu_gb:.0f} GB): 1gpu.yaml, 2gpu.yaml "
-                  f"or deepspeed_zero2.yaml keep it whole and gather nothing (docs/configs.md)")
+            f"or deepspeed_zero2.yaml keep it whole and gather nothing (docs/configs.md)")
